@@ -1,0 +1,184 @@
+/*
+ * llama_cachegen.h -- CacheGen-style compression of llama.cpp context state.
+ *
+ * The only public header of libllama_cachegen. Plain C, no C++ types and no exceptions cross it.
+ *
+ * What it does: llama.cpp's state (a sequence state buffer, a full state buffer, a sequence state
+ * file such as a llama-server slot file, or a session file) goes in as bytes; a compact, versioned,
+ * checksummed container comes out. Decoding the container gives back a state that llama.cpp loads:
+ * byte-identical to the input everywhere except inside lossily coded K/V tensor payloads (and
+ * byte-identical everywhere at LCG_LEVEL_LOSSLESS).
+ *
+ * Conventions
+ *  - Every function returning int returns LCG_OK (0) or a negative lcg_status.
+ *  - On error, lcg_last_error() gives a message for the calling thread that says what was found.
+ *  - Input buffers are never written to. Untrusted containers are safe to decode: every length is
+ *    checked against the buffer and against LCG_MAX_* bounds before anything is allocated.
+ *  - Buffers returned by the library are freed with lcg_free() (NULL is accepted).
+ *  - Container byte layout: docs/format.md. llama.cpp layouts read: docs/llama-state.md.
+ *
+ * The declarations between the cffi markers below are read verbatim by the Python binding
+ * (python/llama_cachegen/_native.py): keep them free of preprocessor lines and macros.
+ */
+#ifndef LLAMA_CACHEGEN_H
+#define LLAMA_CACHEGEN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#  define LCG_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#  define LCG_API __attribute__((visibility("default")))
+#else
+#  define LCG_API
+#endif
+
+/* Library version (the container format has its own version: LCG_FORMAT_VERSION). */
+#define LCG_VERSION_MAJOR 0
+#define LCG_VERSION_MINOR 1
+#define LCG_VERSION_PATCH 0
+#define LCG_VERSION_NUMBER (LCG_VERSION_MAJOR * 10000 + LCG_VERSION_MINOR * 100 + LCG_VERSION_PATCH)
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* cffi-begin */
+
+/* Status codes. Pinned: values never change, new ones are appended. */
+typedef enum {
+    LCG_OK                      =   0,
+    LCG_ERR_INVALID_ARGUMENT    =  -1, /* a NULL pointer, an unknown level, a bad knob            */
+    LCG_ERR_UNSUPPORTED_FORMAT  =  -2, /* input is not a llama.cpp state layout this library reads */
+    LCG_ERR_NOT_A_CONTAINER     =  -3, /* decode input does not start with the container magic    */
+    LCG_ERR_UNSUPPORTED_VERSION =  -4, /* container written by a newer format version             */
+    LCG_ERR_TRUNCATED           =  -5, /* container ends before the sizes it declares             */
+    LCG_ERR_CHECKSUM            =  -6, /* a CRC32C does not match: data corrupted in transit       */
+    LCG_ERR_CORRUPT             =  -7, /* checksums match but the content is inconsistent          */
+    LCG_ERR_LIMIT               =  -8, /* a declared size exceeds LCG_MAX_* bounds                 */
+    LCG_ERR_DST_TOO_SMALL       =  -9, /* caller's buffer is smaller than lcg_decoded_size()        */
+    LCG_ERR_OUT_OF_MEMORY       = -10,
+    LCG_ERR_INTERNAL            = -11  /* a bug: please report with the message                    */
+} lcg_status;
+
+/* Quality levels. Lossy levels are defined by a target distortion per element; see README. */
+typedef enum {
+    LCG_LEVEL_LOSSLESS = 0, /* bit-exact                                                       */
+    LCG_LEVEL_HIGH     = 1, /* KL at or below llama.cpp's q8_0 cache, >= 3x smaller than f16     */
+    LCG_LEVEL_BALANCED = 2, /* KL at or below q5_1, >= 4.5x (the default)                        */
+    LCG_LEVEL_COMPACT  = 3  /* KL at or below q4_0, >= 6x                                        */
+} lcg_level;
+
+/* Which llama.cpp state a buffer holds. */
+typedef enum {
+    LCG_KIND_AUTO        = 0, /* detect: only valid as an encode parameter                       */
+    LCG_KIND_SEQ_BUFFER  = 1, /* llama_state_seq_get_data: io magic, seq id, memory              */
+    LCG_KIND_FULL_BUFFER = 2, /* llama_state_get_data: arch string, memory                       */
+    LCG_KIND_SEQ_FILE    = 3, /* llama_state_seq_save_file / llama-server slot: 'ggsq' v3        */
+    LCG_KIND_SESSION     = 4  /* llama_state_save_file: 'ggsn' v10                               */
+} lcg_state_kind;
+
+typedef struct {
+    int32_t level;          /* lcg_level                                                        */
+    int32_t state_kind;     /* lcg_state_kind; LCG_KIND_AUTO detects it                          */
+    int32_t n_threads;      /* <= 0: all cores                                                  */
+    /* Expert knobs; a negative value takes the level's preset. Ignored at LCG_LEVEL_LOSSLESS.  */
+    float   k_step;         /* K quantization step in channel standard deviations (last layer)  */
+    float   v_step;         /* V quantization step in channel standard deviations (last layer)  */
+    float   first_layer_scale; /* step of layer 0 = this x the last layer's; linear in between  */
+    int32_t n_sink_tokens;  /* cells with position < this are stored exactly                     */
+    /* Opaque bytes stored (checksummed) in the container, e.g. the caller's model fingerprint.  */
+    const void * user_meta;
+    size_t       user_meta_size; /* at most LCG_MAX_USER_META                                    */
+} lcg_encode_params;
+
+/* What lcg_inspect reports about a container, from its header and section table only. */
+typedef struct {
+    uint32_t format_version;
+    int32_t  level;             /* lcg_level it was encoded at                                  */
+    int32_t  state_kind;        /* lcg_state_kind of the original state                         */
+    uint32_t n_sections;
+    uint32_t n_tensors;         /* K/V tensors coded (all layers, streams and caches)           */
+    uint32_t n_cells;           /* KV cells over all streams and caches                          */
+    uint32_t n_layers;          /* layers of the first KV cache                                  */
+    uint32_t n_tokens;          /* prompt tokens stored in file kinds, else 0                    */
+    uint64_t state_size;        /* bytes of the decoded state                                    */
+    uint64_t container_size;    /* bytes of the container                                        */
+    uint64_t kv_bytes;          /* bytes of K/V payload in the original state                    */
+    float    k_step, v_step, first_layer_scale;
+    int32_t  n_sink_tokens;
+} lcg_info;
+
+/* One entry of the container's section table. */
+typedef struct {
+    uint32_t type;              /* lcg_section_type                                             */
+    uint32_t tensor;            /* tensor index for LCG_SECTION_TENSOR, else 0                   */
+    uint64_t offset;            /* from the start of the container                               */
+    uint64_t size;
+    uint32_t crc32c;
+} lcg_section;
+
+typedef enum {
+    LCG_SECTION_LAYOUT    = 1, /* segment list: how to rebuild the state                       */
+    LCG_SECTION_VERBATIM  = 2, /* the state's bytes that are not K/V payloads                  */
+    LCG_SECTION_TENSOR    = 3, /* one coded K or V tensor                                       */
+    LCG_SECTION_USER_META = 4  /* caller's opaque bytes                                         */
+} lcg_section_type;
+
+/* Runtime twin of LCG_VERSION_NUMBER, and the container format version this library writes. */
+LCG_API uint32_t lcg_version_number(void);
+LCG_API uint32_t lcg_format_version(void);
+
+/* Name of a status code ("LCG_ERR_CHECKSUM"); never NULL. */
+LCG_API const char * lcg_status_name(int status);
+/* Message of the last failing call on this thread; "" if none. Valid until the next call. */
+LCG_API const char * lcg_last_error(void);
+
+/* Default parameters: LCG_LEVEL_BALANCED, auto kind, all cores, level presets. */
+LCG_API lcg_encode_params lcg_encode_default_params(void);
+
+/* Encodes a llama.cpp state. On success *out holds a library-allocated container of *out_size
+ * bytes, to be released with lcg_free(). params may be NULL for the defaults. */
+LCG_API int lcg_encode(const void * state, size_t state_size, const lcg_encode_params * params,
+                       void ** out, size_t * out_size);
+
+/* Size of the state a container decodes to, read from its header (checked, not trusted). */
+LCG_API int lcg_decoded_size(const void * container, size_t container_size, size_t * state_size);
+
+/* Decodes a container into dst (dst_capacity >= lcg_decoded_size). Verifies every checksum
+ * first; on any error dst's content is unspecified and nothing else is touched. */
+LCG_API int lcg_decode(const void * container, size_t container_size, int32_t n_threads,
+                       void * dst, size_t dst_capacity, size_t * written);
+
+/* Reads a container's header, section table and layout; verifies those checksums only. */
+LCG_API int lcg_inspect(const void * container, size_t container_size, lcg_info * info);
+/* Entry `index` (< info.n_sections) of the section table. */
+LCG_API int lcg_inspect_section(const void * container, size_t container_size, uint32_t index,
+                                lcg_section * section);
+
+/* Points *meta into the container at the caller's opaque bytes (NULL and 0 when absent),
+ * after verifying that section's checksum. */
+LCG_API int lcg_user_meta(const void * container, size_t container_size,
+                          const void ** meta, size_t * meta_size);
+
+/* Parses a llama.cpp state without encoding it: kind, cells, layers, tensors, K/V bytes.
+ * container_size and format_version are 0. Useful to validate a state before storing it. */
+LCG_API int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind,
+                              lcg_info * info);
+
+LCG_API void lcg_free(void * ptr);
+
+/* cffi-end */
+
+/* Bounds on what a header may ask for (checked before allocating). */
+#define LCG_MAX_STATE_SIZE  ((uint64_t) 1 << 40) /* 1 TiB decoded state                         */
+#define LCG_MAX_SECTIONS    (1u << 20)
+#define LCG_MAX_USER_META   ((size_t) 64 << 20)
+#define LCG_FORMAT_VERSION  1u
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LLAMA_CACHEGEN_H */

@@ -1,0 +1,203 @@
+// api.cpp -- the C entry points: argument checks, and every C++ exception turned into a status.
+#include "codec.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <new>
+
+using namespace lcg;
+
+namespace {
+
+thread_local std::string last_error;
+
+int set_error(int status, const char * msg) {
+    last_error = msg;
+    return status;
+}
+
+template <typename F> int guarded(F && fn) {
+    last_error.clear();
+    try {
+        fn();
+        return LCG_OK;
+    } catch (const Error & e) {
+        return set_error(e.status, e.what());
+    } catch (const std::bad_alloc &) {
+        return set_error(LCG_ERR_OUT_OF_MEMORY, "out of memory");
+    } catch (const std::exception & e) {
+        return set_error(LCG_ERR_INTERNAL, e.what());
+    } catch (...) {
+        return set_error(LCG_ERR_INTERNAL, "unknown exception");
+    }
+}
+
+bool knob_ok(float v, float lo, float hi) { return std::isfinite(v) && v >= lo && v <= hi; }
+
+} // namespace
+
+extern "C" {
+
+uint32_t lcg_version_number(void) { return LCG_VERSION_NUMBER; }
+
+uint32_t lcg_format_version(void) { return LCG_FORMAT_VERSION; }
+
+const char * lcg_status_name(int status) {
+    switch (status) {
+        case LCG_OK: return "LCG_OK";
+        case LCG_ERR_INVALID_ARGUMENT: return "LCG_ERR_INVALID_ARGUMENT";
+        case LCG_ERR_UNSUPPORTED_FORMAT: return "LCG_ERR_UNSUPPORTED_FORMAT";
+        case LCG_ERR_NOT_A_CONTAINER: return "LCG_ERR_NOT_A_CONTAINER";
+        case LCG_ERR_UNSUPPORTED_VERSION: return "LCG_ERR_UNSUPPORTED_VERSION";
+        case LCG_ERR_TRUNCATED: return "LCG_ERR_TRUNCATED";
+        case LCG_ERR_CHECKSUM: return "LCG_ERR_CHECKSUM";
+        case LCG_ERR_CORRUPT: return "LCG_ERR_CORRUPT";
+        case LCG_ERR_LIMIT: return "LCG_ERR_LIMIT";
+        case LCG_ERR_DST_TOO_SMALL: return "LCG_ERR_DST_TOO_SMALL";
+        case LCG_ERR_OUT_OF_MEMORY: return "LCG_ERR_OUT_OF_MEMORY";
+        case LCG_ERR_INTERNAL: return "LCG_ERR_INTERNAL";
+        default: return "LCG_ERR_UNKNOWN";
+    }
+}
+
+const char * lcg_last_error(void) { return last_error.c_str(); }
+
+lcg_encode_params lcg_encode_default_params(void) {
+    lcg_encode_params p;
+    std::memset(&p, 0, sizeof(p));
+    p.level = LCG_LEVEL_BALANCED;
+    p.state_kind = LCG_KIND_AUTO;
+    p.n_threads = 0;
+    p.k_step = -1.0f;
+    p.v_step = -1.0f;
+    p.first_layer_scale = -1.0f;
+    p.n_sink_tokens = -1;
+    return p;
+}
+
+int lcg_encode(const void * state, size_t state_size, const lcg_encode_params * params, void ** out,
+               size_t * out_size) {
+    return guarded([&] {
+        LCG_CHECK(state != nullptr && out != nullptr && out_size != nullptr, LCG_ERR_INVALID_ARGUMENT,
+                  "state, out and out_size must not be NULL");
+        const lcg_encode_params p = params ? *params : lcg_encode_default_params();
+        LCG_CHECK(p.level >= LCG_LEVEL_LOSSLESS && p.level <= LCG_LEVEL_COMPACT, LCG_ERR_INVALID_ARGUMENT,
+                  "unknown level %d", p.level);
+        LCG_CHECK(p.state_kind >= LCG_KIND_AUTO && p.state_kind <= LCG_KIND_SESSION, LCG_ERR_INVALID_ARGUMENT,
+                  "unknown state kind %d", p.state_kind);
+        LCG_CHECK(p.user_meta != nullptr || p.user_meta_size == 0, LCG_ERR_INVALID_ARGUMENT,
+                  "user_meta is NULL with a size of %zu", p.user_meta_size);
+        EncodeOptions opt;
+        opt.level = p.level;
+        opt.state_kind = p.state_kind;
+        opt.n_threads = p.n_threads;
+        opt.knobs = level_knobs(p.level);
+        if (p.k_step >= 0.0f) opt.knobs.k_step = p.k_step;
+        if (p.v_step >= 0.0f) opt.knobs.v_step = p.v_step;
+        if (p.first_layer_scale >= 0.0f) opt.knobs.first_layer_scale = p.first_layer_scale;
+        if (p.n_sink_tokens >= 0) opt.knobs.n_sink_tokens = p.n_sink_tokens;
+        if (p.level != LCG_LEVEL_LOSSLESS) {
+            LCG_CHECK(knob_ok(opt.knobs.k_step, 1e-4f, 64.0f) && knob_ok(opt.knobs.v_step, 1e-4f, 64.0f),
+                      LCG_ERR_INVALID_ARGUMENT, "k_step %g / v_step %g: expected 0.0001..64 standard deviations",
+                      opt.knobs.k_step, opt.knobs.v_step);
+            LCG_CHECK(knob_ok(opt.knobs.first_layer_scale, 0.01f, 100.0f), LCG_ERR_INVALID_ARGUMENT,
+                      "first_layer_scale %g: expected 0.01..100", opt.knobs.first_layer_scale);
+        }
+        opt.user_meta = static_cast<const uint8_t *>(p.user_meta);
+        opt.user_meta_size = p.user_meta_size;
+        *out = encode_state(static_cast<const uint8_t *>(state), state_size, opt, out_size);
+    });
+}
+
+int lcg_decoded_size(const void * container, size_t container_size, size_t * state_size) {
+    return guarded([&] {
+        LCG_CHECK(container != nullptr && state_size != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        const ContainerView c = read_container(static_cast<const uint8_t *>(container), container_size);
+        *state_size = static_cast<size_t>(c.header.state_size);
+    });
+}
+
+int lcg_decode(const void * container, size_t container_size, int32_t n_threads, void * dst, size_t dst_capacity,
+               size_t * written) {
+    return guarded([&] {
+        LCG_CHECK(container != nullptr && (dst != nullptr || dst_capacity == 0), LCG_ERR_INVALID_ARGUMENT,
+                  "NULL argument");
+        const size_t n = decode_container(static_cast<const uint8_t *>(container), container_size, n_threads,
+                                          static_cast<uint8_t *>(dst), dst_capacity);
+        if (written) {
+            *written = n;
+        }
+    });
+}
+
+int lcg_inspect(const void * container, size_t container_size, lcg_info * info) {
+    return guarded([&] {
+        LCG_CHECK(container != nullptr && info != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        const ContainerView c = read_container(static_cast<const uint8_t *>(container), container_size);
+        const Layout L = read_layout(c);
+        std::memset(info, 0, sizeof(*info));
+        info->format_version = c.header.format_version;
+        info->level = c.header.level;
+        info->state_kind = c.header.state_kind;
+        info->n_sections = c.header.n_sections;
+        info->n_tensors = static_cast<uint32_t>(L.tensors.size());
+        info->n_cells = c.header.n_cells;
+        info->n_layers = L.n_layers;
+        info->n_tokens = c.header.n_tokens;
+        info->state_size = c.header.state_size;
+        info->container_size = container_size;
+        info->kv_bytes = c.header.kv_bytes;
+        info->k_step = L.knobs.k_step;
+        info->v_step = L.knobs.v_step;
+        info->first_layer_scale = L.knobs.first_layer_scale;
+        info->n_sink_tokens = L.knobs.n_sink_tokens;
+    });
+}
+
+int lcg_inspect_section(const void * container, size_t container_size, uint32_t index, lcg_section * section) {
+    return guarded([&] {
+        LCG_CHECK(container != nullptr && section != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        const ContainerView c = read_container(static_cast<const uint8_t *>(container), container_size);
+        LCG_CHECK(index < c.sections.size(), LCG_ERR_INVALID_ARGUMENT, "section %u of %zu", index,
+                  c.sections.size());
+        *section = c.sections[index];
+    });
+}
+
+int lcg_user_meta(const void * container, size_t container_size, const void ** meta, size_t * meta_size) {
+    return guarded([&] {
+        LCG_CHECK(container != nullptr && meta != nullptr && meta_size != nullptr, LCG_ERR_INVALID_ARGUMENT,
+                  "NULL argument");
+        const ContainerView c = read_container(static_cast<const uint8_t *>(container), container_size);
+        *meta = nullptr;
+        *meta_size = 0;
+        for (const lcg_section & s : c.sections) {
+            if (s.type == LCG_SECTION_USER_META) {
+                verify_section(c, s);
+                *meta = c.data + s.offset;
+                *meta_size = s.size;
+            }
+        }
+    });
+}
+
+int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind, lcg_info * info) {
+    return guarded([&] {
+        LCG_CHECK(state != nullptr && info != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        LCG_CHECK(state_kind >= LCG_KIND_AUTO && state_kind <= LCG_KIND_SESSION, LCG_ERR_INVALID_ARGUMENT,
+                  "unknown state kind %d", state_kind);
+        const ParsedState st = parse_state(static_cast<const uint8_t *>(state), state_size, state_kind);
+        std::memset(info, 0, sizeof(*info));
+        info->state_kind = st.kind;
+        info->n_tensors = static_cast<uint32_t>(st.tensors.size());
+        info->n_cells = st.n_cells;
+        info->n_layers = st.n_layers;
+        info->n_tokens = st.n_tokens;
+        info->state_size = state_size;
+        info->kv_bytes = st.kv_bytes;
+    });
+}
+
+void lcg_free(void * ptr) { std::free(ptr); }
+
+} // extern "C"

@@ -1,0 +1,507 @@
+#include "codec.h"
+
+#include "rans.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace lcg {
+
+namespace {
+
+constexpr uint8_t GROUP_LOSSLESS = 0;  // byte planes of each unit, entropy coded
+constexpr uint8_t GROUP_LOSSY = 1;     // quantized channels
+constexpr uint32_t TENSOR_DESC_BYTES = 32;
+constexpr uint32_t MAX_GROUP = 32;
+constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;
+constexpr float MAX_Q = 1e9f;
+
+// Channels sharing one frequency table: enough symbols per table (~16K) that its bytes stay
+// small, but no more channels than that (each lane is one channel).
+uint32_t group_size(uint32_t n_cells, uint32_t n_units) {
+    uint32_t g = 4;
+    while (g < MAX_GROUP && static_cast<uint64_t>(g) * n_cells < 16384) {
+        g *= 2;
+    }
+    return std::min(g, n_units);
+}
+
+// Where unit (cell, unit) of a tensor starts, relative to the tensor.
+inline size_t unit_offset(const TensorDesc & t, uint32_t cell, uint32_t unit) {
+    const size_t idx = t.transposed ? static_cast<size_t>(unit) * t.n_cells + cell
+                                    : static_cast<size_t>(cell) * t.n_units + unit;
+    return idx * t.unit_bytes;
+}
+
+bool is_lossy(const TensorDesc & t, int32_t level) {
+    return level != LCG_LEVEL_LOSSLESS && ggml_type_info(t.ggml_type)->is_float;
+}
+
+// The part of a tensor section before its groups: sink cells kept exact, group directory.
+struct TensorPlan {
+    uint32_t group = 0;
+    uint32_t n_groups = 0;
+    std::vector<uint32_t> sink_cells;
+};
+
+// ---- encoding ----------------------------------------------------------------------------------
+
+void encode_lossless_group(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32_t gn,
+                           std::vector<uint8_t> & sym, ByteWriter & w) {
+    w.u8(GROUP_LOSSLESS);
+    const size_t n = t.n_cells;
+    for (uint32_t b = 0; b < t.unit_bytes; b++) {
+        uint32_t counts[256] = {0};
+        for (uint32_t i = 0; i < n; i++) {
+            for (uint32_t g = 0; g < gn; g++) {
+                const uint8_t v = base[unit_offset(t, i, u0 + g) + b];
+                sym[i * gn + g] = v;
+                counts[v]++;
+            }
+        }
+        rans::Table table;
+        rans::build_table(counts, table);
+        rans::write_table(w, table);
+        rans::encode_lanes(sym.data(), n, gn, table, w);
+    }
+}
+
+// Returns false (writing nothing) when the group holds a non-finite value: it is coded losslessly.
+bool encode_lossy_group(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32_t gn, float rel_step,
+                        const std::vector<uint8_t> & is_sink, std::vector<uint8_t> & sym, ByteWriter & w) {
+    const size_t n = t.n_cells;
+    ChannelQuant cq[MAX_GROUP];
+    float mean[MAX_GROUP], inv_step[MAX_GROUP];
+    for (uint32_t g = 0; g < gn; g++) {
+        double sum = 0.0, sum_sq = 0.0;
+        uint64_t count = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            if (is_sink[i]) {
+                continue;
+            }
+            const double x = load_float(base + unit_offset(t, i, u0 + g), t.ggml_type);
+            if (!std::isfinite(x)) {
+                return false;
+            }
+            sum += x;
+            sum_sq += x * x;
+            count++;
+        }
+        cq[g] = channel_quant(sum, sum_sq, count, rel_step);
+        mean[g] = f16_to_f32(cq[g].mean_f16);
+        inv_step[g] = 1.0f / f16_to_f32(cq[g].step_f16);
+    }
+    std::vector<int64_t> escapes;
+    uint32_t counts[256] = {0};
+    for (uint32_t i = 0; i < n; i++) {
+        for (uint32_t g = 0; g < gn; g++) {
+            uint8_t s = SYM_ZERO;
+            if (!is_sink[i]) {
+                const float x = load_float(base + unit_offset(t, i, u0 + g), t.ggml_type);
+                const float qf = std::clamp((x - mean[g]) * inv_step[g], -MAX_Q, MAX_Q);
+                const int64_t q = static_cast<int64_t>(std::nearbyint(qf));
+                if (q >= -Q_MAX && q <= Q_MAX) {
+                    s = static_cast<uint8_t>(q + SYM_ZERO);
+                } else {
+                    s = SYM_ESCAPE;
+                    escapes.push_back(q);
+                }
+            }
+            sym[i * gn + g] = s;
+            counts[s]++;
+        }
+    }
+    w.u8(GROUP_LOSSY);
+    for (uint32_t g = 0; g < gn; g++) {
+        w.u16(cq[g].mean_f16);
+        w.u16(cq[g].step_f16);
+    }
+    rans::Table table;
+    rans::build_table(counts, table);
+    rans::write_table(w, table);
+    rans::encode_lanes(sym.data(), n, gn, table, w);
+    w.varint(escapes.size());
+    for (int64_t q : escapes) {
+        w.varint(zigzag_encode(q));
+    }
+    return true;
+}
+
+// ---- decoding ----------------------------------------------------------------------------------
+
+void decode_lossless_group(ByteReader & r, const TensorDesc & t, uint32_t u0, uint32_t gn,
+                           std::vector<uint8_t> & sym, uint8_t * base) {
+    const size_t n = t.n_cells;
+    for (uint32_t b = 0; b < t.unit_bytes; b++) {
+        rans::Table table;
+        rans::read_table(r, table);
+        rans::decode_lanes(r, table, n, gn, sym.data());
+        for (uint32_t i = 0; i < n; i++) {
+            for (uint32_t g = 0; g < gn; g++) {
+                base[unit_offset(t, i, u0 + g) + b] = sym[i * gn + g];
+            }
+        }
+    }
+}
+
+void decode_lossy_group(ByteReader & r, const TensorDesc & t, uint32_t u0, uint32_t gn,
+                        std::vector<uint8_t> & sym, uint8_t * base) {
+    const size_t n = t.n_cells;
+    ChannelQuant cq[MAX_GROUP];
+    DequantTable lut[MAX_GROUP];
+    for (uint32_t g = 0; g < gn; g++) {
+        cq[g].mean_f16 = r.u16();
+        cq[g].step_f16 = r.u16();
+        build_dequant(cq[g], t.ggml_type, lut[g]);
+    }
+    rans::Table table;
+    rans::read_table(r, table);
+    rans::decode_lanes(r, table, n, gn, sym.data());
+    const uint64_t n_escapes = r.varint();
+    LCG_CHECK(n_escapes <= n * gn, LCG_ERR_CORRUPT, "group declares %llu escapes for %zu values",
+              (unsigned long long) n_escapes, n * gn);
+    uint64_t seen = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        for (uint32_t g = 0; g < gn; g++) {
+            uint8_t * p = base + unit_offset(t, i, u0 + g);
+            const uint8_t s = sym[i * gn + g];
+            if (s != SYM_ESCAPE) {
+                std::memcpy(p, &lut[g].value[s], t.unit_bytes);
+                continue;
+            }
+            LCG_CHECK(seen < n_escapes, LCG_ERR_CORRUPT, "more escaped values than the %llu declared",
+                      (unsigned long long) n_escapes);
+            seen++;
+            const int64_t q = zigzag_decode(r.varint());
+            LCG_CHECK(q >= -MAX_ESCAPE_Q && q <= MAX_ESCAPE_Q, LCG_ERR_CORRUPT, "escaped value %lld",
+                      (long long) q);
+            store_float(p, t.ggml_type, dequant_value(cq[g], q));
+        }
+    }
+    LCG_CHECK(seen == n_escapes, LCG_ERR_CORRUPT, "%llu escapes declared, %llu used", (unsigned long long) n_escapes,
+              (unsigned long long) seen);
+}
+
+// ---- layout ------------------------------------------------------------------------------------
+
+void write_layout(ByteWriter & w, const ParsedState & st, const QuantKnobs & k) {
+    w.u32(st.n_layers);
+    w.u32(static_cast<uint32_t>(st.segments.size()));
+    w.u32(static_cast<uint32_t>(st.tensors.size()));
+    w.f32(k.k_step);
+    w.f32(k.v_step);
+    w.f32(k.first_layer_scale);
+    w.i32(k.n_sink_tokens);
+    for (const TensorDesc & t : st.tensors) {
+        w.i32(t.ggml_type);
+        w.u8(t.is_v);
+        w.u8(t.transposed);
+        w.u16(0);
+        w.u32(t.layer);
+        w.u32(t.n_layer);
+        w.u32(t.n_cells);
+        w.u32(t.n_units);
+        w.u32(t.unit_bytes);
+        w.u32(t.cell_group);
+    }
+    for (const Segment & s : st.segments) {
+        w.u8(s.tensor >= 0);
+        w.u64(s.size);
+        if (s.tensor >= 0) {
+            w.u32(static_cast<uint32_t>(s.tensor));
+        }
+    }
+}
+
+} // namespace
+
+Layout read_layout(const ContainerView & c) {
+    const lcg_section * sec = nullptr;
+    for (const lcg_section & s : c.sections) {
+        if (s.type == LCG_SECTION_LAYOUT) {
+            LCG_CHECK(sec == nullptr, LCG_ERR_CORRUPT, "two layout sections");
+            sec = &s;
+        }
+    }
+    LCG_CHECK(sec != nullptr, LCG_ERR_CORRUPT, "container has no layout section");
+    verify_section(c, *sec);
+    ByteReader r = c.section_reader(*sec, "layout section");
+    Layout L;
+    L.n_layers = r.u32();
+    const uint32_t n_segments = r.u32();
+    const uint32_t n_tensors = r.u32();
+    L.knobs.k_step = r.f32();
+    L.knobs.v_step = r.f32();
+    L.knobs.first_layer_scale = r.f32();
+    L.knobs.n_sink_tokens = r.i32();
+    LCG_CHECK(n_tensors <= r.remaining() / TENSOR_DESC_BYTES && n_segments <= r.remaining() / 9, LCG_ERR_CORRUPT,
+              "layout declares %u tensors and %u segments in %zu bytes", n_tensors, n_segments, r.remaining());
+    const uint64_t state_size = c.header.state_size;
+    L.tensors.resize(n_tensors);
+    for (uint32_t i = 0; i < n_tensors; i++) {
+        TensorDesc & t = L.tensors[i];
+        t.ggml_type = r.i32();
+        t.is_v = r.u8() != 0;
+        t.transposed = r.u8() != 0;
+        r.u16();
+        t.layer = r.u32();
+        t.n_layer = r.u32();
+        t.n_cells = r.u32();
+        t.n_units = r.u32();
+        t.unit_bytes = r.u32();
+        t.cell_group = r.u32();
+        const GgmlType * type = ggml_type_info(t.ggml_type);
+        LCG_CHECK(type != nullptr && t.unit_bytes == type->type_size, LCG_ERR_CORRUPT,
+                  "tensor %u has type %d with %u-byte units", i, t.ggml_type, t.unit_bytes);
+        LCG_CHECK(t.n_cells > 0 && t.n_units > 0 && t.layer < t.n_layer, LCG_ERR_CORRUPT,
+                  "tensor %u: %u cells, %u units, layer %u of %u", i, t.n_cells, t.n_units, t.layer, t.n_layer);
+        LCG_CHECK(static_cast<uint64_t>(t.n_cells) * t.n_units <= state_size / t.unit_bytes, LCG_ERR_CORRUPT,
+                  "tensor %u (%u x %u units) is larger than the %llu-byte state", i, t.n_cells, t.n_units,
+                  (unsigned long long) state_size);
+    }
+    std::vector<uint8_t> used(n_tensors, 0);
+    uint64_t at = 0;
+    L.segments.resize(n_segments);
+    for (uint32_t i = 0; i < n_segments; i++) {
+        Segment & s = L.segments[i];
+        const uint8_t is_tensor = r.u8();
+        s.size = r.u64();
+        s.offset = at;
+        s.tensor = -1;
+        LCG_CHECK(is_tensor <= 1 && s.size <= state_size - at, LCG_ERR_CORRUPT,
+                  "segment %u (%llu bytes) runs past the %llu-byte state", i, (unsigned long long) s.size,
+                  (unsigned long long) state_size);
+        if (is_tensor) {
+            const uint32_t ti = r.u32();
+            LCG_CHECK(ti < n_tensors && !used[ti] && L.tensors[ti].bytes() == s.size, LCG_ERR_CORRUPT,
+                      "segment %u names tensor %u inconsistently", i, ti);
+            used[ti] = 1;
+            s.tensor = static_cast<int32_t>(ti);
+            L.tensors[ti].offset = at;
+        }
+        at += s.size;
+    }
+    LCG_CHECK(at == state_size, LCG_ERR_CORRUPT, "segments add up to %llu bytes, header says %llu",
+              (unsigned long long) at, (unsigned long long) state_size);
+    LCG_CHECK(std::all_of(used.begin(), used.end(), [](uint8_t u) { return u != 0; }), LCG_ERR_CORRUPT,
+              "a tensor is not placed in the state");
+    LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "%zu stray bytes after the layout", r.remaining());
+    return L;
+}
+
+uint8_t * encode_state(const uint8_t * state, size_t size, const EncodeOptions & opt, size_t * out_size) {
+    LCG_CHECK(size <= LCG_MAX_STATE_SIZE, LCG_ERR_LIMIT, "state of %zu bytes", size);
+    const ParsedState st = parse_state(state, size, opt.state_kind);
+    const QuantKnobs & knobs = opt.knobs;
+
+    // Sink cells (position < n_sink_tokens) of each stream are kept exact at lossy levels.
+    std::vector<std::vector<uint8_t>> is_sink(st.cell_pos.size());
+    for (size_t c = 0; c < st.cell_pos.size(); c++) {
+        is_sink[c].resize(st.cell_pos[c].size());
+        for (size_t i = 0; i < st.cell_pos[c].size(); i++) {
+            is_sink[c][i] = opt.level != LCG_LEVEL_LOSSLESS && st.cell_pos[c][i] < knobs.n_sink_tokens;
+        }
+    }
+
+    std::vector<TensorPlan> plans(st.tensors.size());
+    struct Work {
+        uint32_t tensor, group;
+    };
+    std::vector<Work> work;
+    for (uint32_t ti = 0; ti < st.tensors.size(); ti++) {
+        const TensorDesc & t = st.tensors[ti];
+        TensorPlan & p = plans[ti];
+        p.group = group_size(t.n_cells, t.n_units);
+        p.n_groups = (t.n_units + p.group - 1) / p.group;
+        if (is_lossy(t, opt.level)) {
+            for (uint32_t i = 0; i < t.n_cells; i++) {
+                if (is_sink[t.cell_group][i]) {
+                    p.sink_cells.push_back(i);
+                }
+            }
+        }
+        for (uint32_t g = 0; g < p.n_groups; g++) {
+            work.push_back({ti, g});
+        }
+    }
+
+    std::vector<std::vector<uint8_t>> coded(work.size());
+    parallel_for(work.size(), opt.n_threads, [&](size_t wi) {
+        const Work & job = work[wi];
+        const TensorDesc & t = st.tensors[job.tensor];
+        const TensorPlan & p = plans[job.tensor];
+        const uint32_t u0 = job.group * p.group;
+        const uint32_t gn = std::min(p.group, t.n_units - u0);
+        const uint8_t * base = state + t.offset;
+        std::vector<uint8_t> sym(static_cast<size_t>(t.n_cells) * gn);
+        ByteWriter w;
+        const bool lossy = is_lossy(t, opt.level) &&
+                           encode_lossy_group(base, t, u0, gn, layer_step(knobs, t.is_v, t.layer, t.n_layer),
+                                              is_sink[t.cell_group], sym, w);
+        if (!lossy) {
+            w.buf.clear();
+            encode_lossless_group(base, t, u0, gn, sym, w);
+        }
+        coded[wi] = std::move(w.buf);
+    });
+
+    std::vector<SectionPayload> sections;
+    {
+        ByteWriter w;
+        write_layout(w, st, opt.level == LCG_LEVEL_LOSSLESS ? level_knobs(LCG_LEVEL_LOSSLESS) : knobs);
+        sections.push_back({LCG_SECTION_LAYOUT, 0, std::move(w.buf)});
+    }
+    {
+        ByteWriter w;
+        for (const Segment & s : st.segments) {
+            if (s.tensor < 0) {
+                w.put(state + s.offset, s.size);
+            }
+        }
+        sections.push_back({LCG_SECTION_VERBATIM, 0, std::move(w.buf)});
+    }
+    size_t wi = 0;
+    for (uint32_t ti = 0; ti < st.tensors.size(); ti++) {
+        const TensorDesc & t = st.tensors[ti];
+        const TensorPlan & p = plans[ti];
+        ByteWriter w;
+        w.u32(t.n_units);
+        w.u32(p.group);
+        w.u32(static_cast<uint32_t>(p.sink_cells.size()));
+        for (uint32_t c : p.sink_cells) {
+            w.u32(c);
+        }
+        for (uint32_t c : p.sink_cells) {
+            for (uint32_t u = 0; u < t.n_units; u++) {
+                w.put(state + t.offset + unit_offset(t, c, u), t.unit_bytes);
+            }
+        }
+        w.u32(p.n_groups);
+        for (uint32_t g = 0; g < p.n_groups; g++) {
+            w.u32(static_cast<uint32_t>(coded[wi + g].size()));
+        }
+        for (uint32_t g = 0; g < p.n_groups; g++, wi++) {
+            w.put(coded[wi].data(), coded[wi].size());
+            std::vector<uint8_t>().swap(coded[wi]);
+        }
+        sections.push_back({LCG_SECTION_TENSOR, ti, std::move(w.buf)});
+    }
+    if (opt.user_meta_size > 0) {
+        LCG_CHECK(opt.user_meta_size <= LCG_MAX_USER_META, LCG_ERR_LIMIT, "user meta of %zu bytes (at most %zu)",
+                  opt.user_meta_size, static_cast<size_t>(LCG_MAX_USER_META));
+        sections.push_back({LCG_SECTION_USER_META, 0,
+                            std::vector<uint8_t>(opt.user_meta, opt.user_meta + opt.user_meta_size)});
+    }
+
+    ContainerHeader h;
+    h.level = opt.level;
+    h.state_kind = st.kind;
+    h.state_size = size;
+    h.kv_bytes = st.kv_bytes;
+    h.n_tokens = st.n_tokens;
+    h.n_cells = st.n_cells;
+    return write_container(h, sections, out_size);
+}
+
+size_t decode_container(const uint8_t * data, size_t size, int32_t n_threads, uint8_t * dst, size_t dst_capacity) {
+    const ContainerView c = read_container(data, size);
+    for (const lcg_section & s : c.sections) {
+        verify_section(c, s);
+    }
+    const Layout L = read_layout(c);
+    LCG_CHECK(dst_capacity >= c.header.state_size, LCG_ERR_DST_TOO_SMALL,
+              "destination holds %zu bytes, the state needs %llu", dst_capacity,
+              (unsigned long long) c.header.state_size);
+
+    const lcg_section * verbatim = nullptr;
+    std::vector<const lcg_section *> tensor_sec(L.tensors.size(), nullptr);
+    for (const lcg_section & s : c.sections) {
+        if (s.type == LCG_SECTION_VERBATIM) {
+            LCG_CHECK(verbatim == nullptr, LCG_ERR_CORRUPT, "two verbatim sections");
+            verbatim = &s;
+        } else if (s.type == LCG_SECTION_TENSOR) {
+            LCG_CHECK(s.tensor < L.tensors.size() && tensor_sec[s.tensor] == nullptr, LCG_ERR_CORRUPT,
+                      "tensor section names tensor %u of %zu (or twice)", s.tensor, L.tensors.size());
+            tensor_sec[s.tensor] = &s;
+        }
+    }
+    LCG_CHECK(verbatim != nullptr, LCG_ERR_CORRUPT, "container has no verbatim section");
+    {
+        ByteReader r = c.section_reader(*verbatim, "verbatim section");
+        for (const Segment & s : L.segments) {
+            if (s.tensor < 0) {
+                std::memcpy(dst + s.offset, r.take(s.size), s.size);
+            }
+        }
+        LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "%zu stray verbatim bytes", r.remaining());
+    }
+
+    struct Work {
+        uint32_t tensor, group, u0, gn;
+        const uint8_t * bytes;
+        size_t size;
+    };
+    struct TensorSinks {
+        std::vector<uint32_t> cells;
+        const uint8_t * raw = nullptr;
+    };
+    std::vector<TensorSinks> sinks(L.tensors.size());
+    std::vector<Work> work;
+    for (uint32_t ti = 0; ti < L.tensors.size(); ti++) {
+        const TensorDesc & t = L.tensors[ti];
+        LCG_CHECK(tensor_sec[ti] != nullptr, LCG_ERR_CORRUPT, "tensor %u has no section", ti);
+        ByteReader r = c.section_reader(*tensor_sec[ti], "tensor section");
+        const uint32_t n_units = r.u32(), group = r.u32(), n_sink = r.u32();
+        LCG_CHECK(n_units == t.n_units && group >= 1 && group <= MAX_GROUP, LCG_ERR_CORRUPT,
+                  "tensor %u: %u units (layout: %u), group of %u", ti, n_units, t.n_units, group);
+        LCG_CHECK(n_sink <= t.n_cells && n_sink <= r.remaining() / 4, LCG_ERR_CORRUPT, "tensor %u: %u sink cells",
+                  ti, n_sink);
+        TensorSinks & ts = sinks[ti];
+        ts.cells.resize(n_sink);
+        for (uint32_t k = 0; k < n_sink; k++) {
+            ts.cells[k] = r.u32();
+            LCG_CHECK(ts.cells[k] < t.n_cells, LCG_ERR_CORRUPT, "tensor %u: sink cell %u of %u", ti, ts.cells[k],
+                      t.n_cells);
+        }
+        ts.raw = r.take(static_cast<size_t>(n_sink) * t.n_units * t.unit_bytes);
+        const uint32_t n_groups = r.u32();
+        LCG_CHECK(n_groups == (t.n_units + group - 1) / group, LCG_ERR_CORRUPT, "tensor %u: %u groups", ti,
+                  n_groups);
+        std::vector<uint32_t> group_bytes(n_groups);
+        for (uint32_t g = 0; g < n_groups; g++) {
+            group_bytes[g] = r.u32();
+        }
+        for (uint32_t g = 0; g < n_groups; g++) {
+            const uint32_t u0 = g * group;
+            work.push_back({ti, g, u0, std::min(group, t.n_units - u0), r.take(group_bytes[g]), group_bytes[g]});
+        }
+        LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "tensor %u: %zu stray bytes", ti, r.remaining());
+    }
+
+    parallel_for(work.size(), n_threads, [&](size_t wi) {
+        const Work & job = work[wi];
+        const TensorDesc & t = L.tensors[job.tensor];
+        uint8_t * base = dst + t.offset;
+        ByteReader r(job.bytes, job.size, LCG_ERR_CORRUPT, "coded group");
+        std::vector<uint8_t> sym(static_cast<size_t>(t.n_cells) * job.gn);
+        const uint8_t mode = r.u8();
+        if (mode == GROUP_LOSSY) {
+            LCG_CHECK(ggml_type_info(t.ggml_type)->is_float, LCG_ERR_CORRUPT, "lossy group in a quantized tensor");
+            decode_lossy_group(r, t, job.u0, job.gn, sym, base);
+        } else {
+            LCG_CHECK(mode == GROUP_LOSSLESS, LCG_ERR_CORRUPT, "group coding mode %u", mode);
+            decode_lossless_group(r, t, job.u0, job.gn, sym, base);
+        }
+        LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "%zu stray bytes after a group", r.remaining());
+        const TensorSinks & ts = sinks[job.tensor];
+        for (size_t k = 0; k < ts.cells.size(); k++) {
+            for (uint32_t g = 0; g < job.gn; g++) {
+                const size_t raw = (k * t.n_units + job.u0 + g) * t.unit_bytes;
+                std::memcpy(base + unit_offset(t, ts.cells[k], job.u0 + g), ts.raw + raw, t.unit_bytes);
+            }
+        }
+    });
+    return c.header.state_size;
+}
+
+} // namespace lcg

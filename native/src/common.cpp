@@ -1,0 +1,213 @@
+#include "common.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstdarg>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+#endif
+
+namespace lcg {
+
+void fail(int status, const char * fmt, ...) {
+    char msg[512];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, args);
+    va_end(args);
+    throw Error(status, msg);
+}
+
+uint64_t ByteReader::varint() {
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+        const uint8_t b = u8();
+        v |= static_cast<uint64_t>(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            return v;
+        }
+    }
+    fail(status_, "%s: varint longer than 10 bytes at offset %zu", what_, pos_);
+}
+
+void ByteWriter::varint(uint64_t v) {
+    while (v >= 0x80) {
+        buf.push_back(static_cast<uint8_t>(v | 0x80));
+        v >>= 7;
+    }
+    buf.push_back(static_cast<uint8_t>(v));
+}
+
+// ---- CRC32C ----------------------------------------------------------------------------------
+
+static uint32_t crc32c_table[8][256];
+
+static void crc32c_init_table() {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) {
+            c = (c >> 1) ^ (0x82f63b78u & (0u - (c & 1)));
+        }
+        crc32c_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++) {
+        for (int t = 1; t < 8; t++) {
+            crc32c_table[t][i] = (crc32c_table[t - 1][i] >> 8) ^ crc32c_table[0][crc32c_table[t - 1][i] & 0xff];
+        }
+    }
+}
+
+// Slicing-by-8 fallback for CPUs without the crc32 instruction.
+static uint32_t crc32c_soft(const uint8_t * p, size_t n, uint32_t c) {
+    static std::once_flag once;
+    std::call_once(once, crc32c_init_table);
+    while (n >= 8) {
+        uint64_t w;
+        std::memcpy(&w, p, 8);
+        w ^= c;
+        c = crc32c_table[7][w & 0xff] ^ crc32c_table[6][(w >> 8) & 0xff] ^
+            crc32c_table[5][(w >> 16) & 0xff] ^ crc32c_table[4][(w >> 24) & 0xff] ^
+            crc32c_table[3][(w >> 32) & 0xff] ^ crc32c_table[2][(w >> 40) & 0xff] ^
+            crc32c_table[1][(w >> 48) & 0xff] ^ crc32c_table[0][w >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) {
+        c = (c >> 8) ^ crc32c_table[0][(c ^ *p++) & 0xff];
+    }
+    return c;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) static uint32_t crc32c_hw(const uint8_t * p, size_t n, uint32_t c) {
+    uint64_t c64 = c;
+    while (n >= 8) {
+        uint64_t w;
+        std::memcpy(&w, p, 8);
+        c64 = _mm_crc32_u64(c64, w);
+        p += 8;
+        n -= 8;
+    }
+    c = static_cast<uint32_t>(c64);
+    while (n--) {
+        c = _mm_crc32_u8(c, *p++);
+    }
+    return c;
+}
+#endif
+
+uint32_t crc32c(const void * data, size_t size, uint32_t crc) {
+    const uint8_t * p = static_cast<const uint8_t *>(data);
+    uint32_t c = ~crc;
+#if defined(__x86_64__)
+    static const bool has_sse42 = __builtin_cpu_supports("sse4.2");
+    c = has_sse42 ? crc32c_hw(p, size, c) : crc32c_soft(p, size, c);
+#else
+    c = crc32c_soft(p, size, c);
+#endif
+    return ~c;
+}
+
+// ---- half floats -----------------------------------------------------------------------------
+
+float f16_to_f32(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+    const uint32_t exp = (h >> 10) & 0x1f;
+    const uint32_t mant = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        u = sign;
+    } else {  // subnormal: value = mant * 2^-24
+        float f = std::ldexp(static_cast<float>(mant), -24);
+        std::memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// Round to nearest even, with overflow to infinity and gradual underflow (as F16C does).
+uint16_t f32_to_f16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t sign = (u >> 16) & 0x8000;
+    u &= 0x7fffffff;
+    if (u >= 0x7f800000u) {  // inf or nan
+        return static_cast<uint16_t>(sign | 0x7c00 | (u > 0x7f800000u ? 0x200 : 0));
+    }
+    if (u >= 0x477ff000u) {  // rounds to >= 65520: overflow
+        return static_cast<uint16_t>(sign | 0x7c00);
+    }
+    if (u < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+        const float a = std::fabs(f) * 16777216.0f;  // in units of 2^-24
+        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a)));
+    }
+    const uint32_t mant_odd = (u >> 13) & 1;
+    u += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round to nearest even
+    return static_cast<uint16_t>(sign | (u >> 13));
+}
+
+uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000u) {
+        return static_cast<uint16_t>((u >> 16) | 0x40);  // keep nan a nan
+    }
+    u += 0x7fff + ((u >> 16) & 1);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+// ---- threads ---------------------------------------------------------------------------------
+
+void parallel_for(size_t n, int n_threads, const std::function<void(size_t)> & fn) {
+    if (n_threads <= 0) {
+        n_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    }
+    const size_t n_workers = std::min<size_t>(static_cast<size_t>(n_threads), n);
+    if (n_workers <= 1) {
+        for (size_t i = 0; i < n; i++) {
+            fn(i);
+        }
+        return;
+    }
+    std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;
+    std::mutex error_mutex;
+    auto work = [&] {
+        for (size_t i; !failed.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;) {
+            try {
+                fn(i);
+            } catch (...) {
+                std::lock_guard<std::mutex> lock(error_mutex);
+                if (!error) {
+                    error = std::current_exception();
+                }
+                failed = true;
+            }
+        }
+    };
+    std::vector<std::thread> threads;
+    threads.reserve(n_workers - 1);
+    for (size_t t = 1; t < n_workers; t++) {
+        threads.emplace_back(work);
+    }
+    work();
+    for (auto & t : threads) {
+        t.join();
+    }
+    if (error) {
+        std::rethrow_exception(error);
+    }
+}
+
+} // namespace lcg

@@ -1,0 +1,107 @@
+// common.h -- errors, bounded byte I/O, CRC32C, half-float conversion, a parallel loop.
+// Depends on nothing but the public header; every other stage includes it.
+#pragma once
+
+#include "llama_cachegen.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace lcg {
+
+// Errors travel as this exception inside the library; api.cpp turns them into status + message.
+struct Error : std::runtime_error {
+    int status;
+    Error(int status, const std::string & msg) : std::runtime_error(msg), status(status) {}
+};
+
+[[noreturn]] void fail(int status, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
+
+#define LCG_CHECK(cond, status, ...) \
+    do { if (!(cond)) ::lcg::fail((status), __VA_ARGS__); } while (0)
+
+// Reads little-endian values from an untrusted buffer; running past its end fails with `status`
+// (UNSUPPORTED_FORMAT while parsing a llama.cpp state, TRUNCATED/CORRUPT inside a container).
+class ByteReader {
+public:
+    ByteReader(const uint8_t * data, size_t size, int status, const char * what)
+        : data_(data), size_(size), status_(status), what_(what) {}
+
+    size_t pos() const { return pos_; }
+    size_t size() const { return size_; }
+    size_t remaining() const { return size_ - pos_; }
+    void seek(size_t pos) { pos_ = pos; }
+    int status() const { return status_; }
+
+    const uint8_t * take(size_t n) {
+        LCG_CHECK(n <= remaining(), status_, "%s: needs %zu bytes at offset %zu, only %zu left",
+                  what_, n, pos_, remaining());
+        const uint8_t * p = data_ + pos_;
+        pos_ += n;
+        return p;
+    }
+    template <typename T> T get() {
+        T v;
+        std::memcpy(&v, take(sizeof(T)), sizeof(T));
+        return v;
+    }
+    uint8_t  u8()  { return get<uint8_t>(); }
+    uint16_t u16() { return get<uint16_t>(); }
+    uint32_t u32() { return get<uint32_t>(); }
+    int32_t  i32() { return get<int32_t>(); }
+    uint64_t u64() { return get<uint64_t>(); }
+    float    f32() { return get<float>(); }
+    uint64_t varint();
+
+private:
+    const uint8_t * data_;
+    size_t size_;
+    size_t pos_ = 0;
+    int status_;
+    const char * what_;
+};
+
+class ByteWriter {
+public:
+    std::vector<uint8_t> buf;
+
+    void put(const void * p, size_t n) {
+        const uint8_t * b = static_cast<const uint8_t *>(p);
+        buf.insert(buf.end(), b, b + n);
+    }
+    template <typename T> void put_le(T v) { put(&v, sizeof(T)); }
+    void u8(uint8_t v)   { buf.push_back(v); }
+    void u16(uint16_t v) { put_le(v); }
+    void u32(uint32_t v) { put_le(v); }
+    void i32(int32_t v)  { put_le(v); }
+    void u64(uint64_t v) { put_le(v); }
+    void f32(float v)    { put_le(v); }
+    void varint(uint64_t v);
+};
+
+inline uint64_t zigzag_encode(int64_t v) { return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63); }
+inline int64_t zigzag_decode(uint64_t v) { return static_cast<int64_t>(v >> 1) ^ -static_cast<int64_t>(v & 1); }
+
+// CRC32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
+uint32_t crc32c(const void * data, size_t size, uint32_t crc = 0);
+
+// IEEE half and bfloat16 <-> float.
+float    f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+uint16_t f32_to_bf16(float f);
+
+// Runs fn(i) for i in [0, n) on up to n_threads threads (<= 0: all cores). Rethrows the first error.
+void parallel_for(size_t n, int n_threads, const std::function<void(size_t)> & fn);
+
+} // namespace lcg

@@ -1,0 +1,137 @@
+#include "container.h"
+
+#include <cstdlib>
+
+namespace lcg {
+
+namespace {
+
+const char * section_type_name(uint32_t type) {
+    switch (type) {
+        case LCG_SECTION_LAYOUT: return "layout";
+        case LCG_SECTION_VERBATIM: return "verbatim";
+        case LCG_SECTION_TENSOR: return "tensor";
+        case LCG_SECTION_USER_META: return "user meta";
+        default: return "unknown";
+    }
+}
+
+} // namespace
+
+uint8_t * write_container(ContainerHeader h, const std::vector<SectionPayload> & sections, size_t * out_size) {
+    h.n_sections = static_cast<uint32_t>(sections.size());
+    const size_t table_end = HEADER_SIZE + static_cast<size_t>(SECTION_ENTRY_SIZE) * sections.size();
+    size_t total = table_end;
+    for (const SectionPayload & s : sections) {
+        total += s.bytes.size();
+    }
+    ByteWriter head;
+    head.u32(CONTAINER_MAGIC);
+    head.u16(static_cast<uint16_t>(h.format_version));
+    head.u16(HEADER_SIZE);
+    head.u8(static_cast<uint8_t>(h.level));
+    head.u8(static_cast<uint8_t>(h.state_kind));
+    head.u16(0);  // flags
+    head.u32(h.n_sections);
+    head.u64(h.state_size);
+    head.u64(h.kv_bytes);
+    head.u32(h.n_tokens);
+    head.u32(h.n_cells);
+    head.u32(0);  // reserved
+    uint64_t offset = table_end;
+    ByteWriter table;
+    for (const SectionPayload & s : sections) {
+        table.u32(s.type);
+        table.u32(s.tensor);
+        table.u64(offset);
+        table.u64(s.bytes.size());
+        table.u32(crc32c(s.bytes.data(), s.bytes.size()));
+        table.u32(0);
+        offset += s.bytes.size();
+    }
+    uint8_t * out = static_cast<uint8_t *>(std::malloc(total));
+    LCG_CHECK(out != nullptr, LCG_ERR_OUT_OF_MEMORY, "cannot allocate a %zu-byte container", total);
+    std::memcpy(out, head.buf.data(), head.buf.size());
+    uint32_t crc = crc32c(head.buf.data(), head.buf.size());
+    crc = crc32c(table.buf.data(), table.buf.size(), crc);
+    std::memcpy(out + HEADER_SIZE - 4, &crc, 4);
+    std::memcpy(out + HEADER_SIZE, table.buf.data(), table.buf.size());
+    size_t at = table_end;
+    for (const SectionPayload & s : sections) {
+        if (!s.bytes.empty()) {
+            std::memcpy(out + at, s.bytes.data(), s.bytes.size());
+        }
+        at += s.bytes.size();
+    }
+    *out_size = total;
+    return out;
+}
+
+ContainerView read_container(const uint8_t * data, size_t size) {
+    ContainerView c;
+    c.data = data;
+    c.size = size;
+    uint32_t magic = 0;
+    if (size >= 4) {
+        std::memcpy(&magic, data, 4);
+    }
+    LCG_CHECK(size >= 4 && magic == CONTAINER_MAGIC, LCG_ERR_NOT_A_CONTAINER,
+              "not a llama-cachegen container: starts with 0x%08x, expected 0x%08x ('LCGC')", magic, CONTAINER_MAGIC);
+    ByteReader r(data, size, LCG_ERR_TRUNCATED, "container header");
+    r.u32();
+    ContainerHeader & h = c.header;
+    h.format_version = r.u16();
+    LCG_CHECK(h.format_version <= LCG_FORMAT_VERSION && h.format_version >= 1, LCG_ERR_UNSUPPORTED_VERSION,
+              "container format version %u; this library reads versions 1..%u", h.format_version,
+              LCG_FORMAT_VERSION);
+    const uint32_t header_size = r.u16();
+    LCG_CHECK(header_size == HEADER_SIZE, LCG_ERR_CORRUPT, "header size %u, expected %u", header_size, HEADER_SIZE);
+    h.level = r.u8();
+    h.state_kind = r.u8();
+    r.u16();  // flags
+    h.n_sections = r.u32();
+    h.state_size = r.u64();
+    h.kv_bytes = r.u64();
+    h.n_tokens = r.u32();
+    h.n_cells = r.u32();
+    r.u32();
+    const uint32_t stored_crc = r.u32();
+    LCG_CHECK(h.n_sections <= LCG_MAX_SECTIONS, LCG_ERR_LIMIT, "container declares %u sections (at most %u)",
+              h.n_sections, LCG_MAX_SECTIONS);
+    const uint8_t * table = r.take(static_cast<size_t>(h.n_sections) * SECTION_ENTRY_SIZE);
+    uint32_t crc = crc32c(data, HEADER_SIZE - 4);
+    crc = crc32c(table, static_cast<size_t>(h.n_sections) * SECTION_ENTRY_SIZE, crc);
+    LCG_CHECK(crc == stored_crc, LCG_ERR_CHECKSUM, "header checksum 0x%08x does not match the stored 0x%08x",
+              crc, stored_crc);
+    LCG_CHECK(h.level >= LCG_LEVEL_LOSSLESS && h.level <= LCG_LEVEL_COMPACT, LCG_ERR_CORRUPT, "level %d", h.level);
+    LCG_CHECK(h.state_kind >= LCG_KIND_SEQ_BUFFER && h.state_kind <= LCG_KIND_SESSION, LCG_ERR_CORRUPT,
+              "state kind %d", h.state_kind);
+    LCG_CHECK(h.state_size <= LCG_MAX_STATE_SIZE, LCG_ERR_LIMIT, "container declares a %llu-byte state",
+              (unsigned long long) h.state_size);
+    LCG_CHECK(h.state_size <= MAX_EXPANSION * size + (1u << 20), LCG_ERR_LIMIT,
+              "container of %zu bytes declares a %llu-byte state (more than %llux expansion)", size,
+              (unsigned long long) h.state_size, (unsigned long long) MAX_EXPANSION);
+    c.sections.resize(h.n_sections);
+    ByteReader tr(table, static_cast<size_t>(h.n_sections) * SECTION_ENTRY_SIZE, LCG_ERR_CORRUPT, "section table");
+    for (uint32_t i = 0; i < h.n_sections; i++) {
+        lcg_section & s = c.sections[i];
+        s.type = tr.u32();
+        s.tensor = tr.u32();
+        s.offset = tr.u64();
+        s.size = tr.u64();
+        s.crc32c = tr.u32();
+        tr.u32();
+        LCG_CHECK(s.offset <= size && s.size <= size - s.offset, LCG_ERR_TRUNCATED,
+                  "%s section %u spans bytes %llu..%llu of a %zu-byte container", section_type_name(s.type), i,
+                  (unsigned long long) s.offset, (unsigned long long) (s.offset + s.size), size);
+    }
+    return c;
+}
+
+void verify_section(const ContainerView & c, const lcg_section & s) {
+    const uint32_t crc = crc32c(c.data + s.offset, s.size);
+    LCG_CHECK(crc == s.crc32c, LCG_ERR_CHECKSUM, "%s section at offset %llu: checksum 0x%08x, stored 0x%08x",
+              section_type_name(s.type), (unsigned long long) s.offset, crc, s.crc32c);
+}
+
+} // namespace lcg

@@ -1,0 +1,54 @@
+// container.h -- the llama-cachegen container: header, section table with CRC32C per section,
+// payloads (byte layout in docs/format.md).
+#pragma once
+
+#include "common.h"
+
+#include <vector>
+
+namespace lcg {
+
+constexpr uint32_t CONTAINER_MAGIC = 0x4347434cu;  // "LCGC"
+constexpr uint32_t HEADER_SIZE = 48;
+constexpr uint32_t SECTION_ENTRY_SIZE = 32;
+// A container may not declare a state over this many times its own size (plus 1 MiB): keeps a
+// forged header from making a reader allocate terabytes. Real lossy levels stay below 100x.
+constexpr uint64_t MAX_EXPANSION = 1024;
+
+struct ContainerHeader {
+    uint32_t format_version = LCG_FORMAT_VERSION;
+    int32_t level = 0;
+    int32_t state_kind = 0;
+    uint32_t n_sections = 0;
+    uint64_t state_size = 0;
+    uint64_t kv_bytes = 0;
+    uint32_t n_tokens = 0;
+    uint32_t n_cells = 0;
+};
+
+struct SectionPayload {
+    uint32_t type;
+    uint32_t tensor;
+    std::vector<uint8_t> bytes;
+};
+
+// Lays out header, table and payloads in one malloc'ed buffer (released with free()).
+uint8_t * write_container(ContainerHeader header, const std::vector<SectionPayload> & sections, size_t * out_size);
+
+struct ContainerView {
+    ContainerHeader header;
+    std::vector<lcg_section> sections;
+    const uint8_t * data;
+    size_t size;
+
+    ByteReader section_reader(const lcg_section & s, const char * what) const {
+        return ByteReader(data + s.offset, s.size, LCG_ERR_CORRUPT, what);
+    }
+};
+
+// Checks magic, version, header checksum and that every section lies inside the buffer.
+ContainerView read_container(const uint8_t * data, size_t size);
+// Checks one section's CRC32C.
+void verify_section(const ContainerView & c, const lcg_section & s);
+
+} // namespace lcg

@@ -1,0 +1,82 @@
+#include "quantize.h"
+
+#include <cmath>
+
+namespace lcg {
+
+namespace {
+
+constexpr int32_t GGML_F32 = 0;
+constexpr int32_t GGML_F16 = 1;
+constexpr int32_t GGML_BF16 = 30;
+
+constexpr float MIN_STEP = 6.103515625e-05f;  // smallest normal f16
+
+} // namespace
+
+QuantKnobs level_knobs(int32_t level) {
+    switch (level) {
+        case LCG_LEVEL_HIGH: return {0.15f, 0.15f, 0.5f, 4};
+        case LCG_LEVEL_BALANCED: return {0.45f, 0.45f, 0.5f, 4};
+        case LCG_LEVEL_COMPACT: return {0.9f, 0.9f, 0.5f, 4};
+        default: return {0.0f, 0.0f, 1.0f, 0};
+    }
+}
+
+float layer_step(const QuantKnobs & k, bool is_v, uint32_t layer, uint32_t n_layer) {
+    const float last = is_v ? k.v_step : k.k_step;
+    const float t = n_layer > 1 ? static_cast<float>(layer) / static_cast<float>(n_layer - 1) : 1.0f;
+    return last * (k.first_layer_scale + (1.0f - k.first_layer_scale) * t);
+}
+
+ChannelQuant channel_quant(double sum, double sum_sq, uint64_t count, float rel_step) {
+    double mean = 0.0, sd = 0.0;
+    if (count > 0) {
+        mean = sum / static_cast<double>(count);
+        sd = std::sqrt(std::max(0.0, sum_sq / static_cast<double>(count) - mean * mean));
+    }
+    float step = static_cast<float>(sd) * rel_step;
+    if (!(step >= MIN_STEP)) {
+        step = sd > 0.0 ? MIN_STEP : 1.0f;  // a constant channel quantizes to q = 0 exactly
+    }
+    ChannelQuant cq;
+    cq.mean_f16 = f32_to_f16(std::isfinite(mean) ? static_cast<float>(mean) : 0.0f);
+    cq.step_f16 = f32_to_f16(std::min(step, 65504.0f));
+    return cq;
+}
+
+float load_float(const uint8_t * p, int32_t ggml_type) {
+    if (ggml_type == GGML_F32) {
+        float v;
+        std::memcpy(&v, p, 4);
+        return v;
+    }
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return ggml_type == GGML_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
+void store_float(uint8_t * p, int32_t ggml_type, float v) {
+    if (ggml_type == GGML_F32) {
+        std::memcpy(p, &v, 4);
+        return;
+    }
+    const uint16_t h = ggml_type == GGML_F16 ? f32_to_f16(v) : f32_to_bf16(v);
+    std::memcpy(p, &h, 2);
+}
+
+float dequant_value(const ChannelQuant & cq, int64_t q) {
+    return f16_to_f32(cq.mean_f16) + static_cast<float>(q) * f16_to_f32(cq.step_f16);
+}
+
+void build_dequant(const ChannelQuant & cq, int32_t ggml_type, DequantTable & t) {
+    t.value[SYM_ESCAPE] = 0;
+    for (int s = 1; s < 256; s++) {
+        const float v = dequant_value(cq, s - SYM_ZERO);
+        uint8_t bytes[4] = {0, 0, 0, 0};
+        store_float(bytes, ggml_type, v);
+        std::memcpy(&t.value[s], bytes, 4);
+    }
+}
+
+} // namespace lcg

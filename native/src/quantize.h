@@ -1,0 +1,48 @@
+// quantize.h -- CacheGen's lossy stage: per-channel uniform quantization of float K/V units into
+// byte symbols, with steps set per layer (shallow layers finer), and its inverse as a lookup table.
+#pragma once
+
+#include "common.h"
+
+namespace lcg {
+
+// Symbol alphabet of a lossy group: q in [-127, 127] is symbol q + 128; symbol 0 escapes a
+// larger |q|, whose value follows in the group's escape list.
+constexpr int32_t Q_MAX = 127;
+constexpr uint8_t SYM_ZERO = 128;
+constexpr uint8_t SYM_ESCAPE = 0;
+
+struct QuantKnobs {
+    float k_step;             // in channel standard deviations, at the last layer
+    float v_step;
+    float first_layer_scale;  // layer 0's step relative to the last layer's
+    int32_t n_sink_tokens;    // cells with position < this are stored exactly
+};
+
+// The knobs of a lossy level (LCG_LEVEL_HIGH..COMPACT); lossless gets zeros.
+QuantKnobs level_knobs(int32_t level);
+
+// Step (in standard deviations) of a layer: linear from first_layer_scale x last to last.
+float layer_step(const QuantKnobs & k, bool is_v, uint32_t layer, uint32_t n_layer);
+
+// Per-channel quantizer, stored as two f16 values so that encoder and decoder use the same numbers.
+struct ChannelQuant {
+    uint16_t mean_f16;
+    uint16_t step_f16;
+};
+
+// Picks mean and step (rel_step x standard deviation) from a channel's samples.
+ChannelQuant channel_quant(double sum, double sum_sq, uint64_t count, float rel_step);
+
+// Reads / writes one float element of ggml type f32, f16 or bf16.
+float load_float(const uint8_t * p, int32_t ggml_type);
+void store_float(uint8_t * p, int32_t ggml_type, float v);
+
+// Dequantization table of one channel: the element bytes (2 or 4) of every symbol but the escape.
+struct DequantTable {
+    uint32_t value[256];
+};
+void build_dequant(const ChannelQuant & cq, int32_t ggml_type, DequantTable & t);
+float dequant_value(const ChannelQuant & cq, int64_t q);
+
+} // namespace lcg

@@ -1,0 +1,308 @@
+#include "state_format.h"
+
+#include <algorithm>
+
+namespace lcg {
+
+namespace {
+
+constexpr uint32_t IO_MAGIC = 0xaf143cd8u;       // llama_state_seq_get_data
+constexpr uint32_t GGSQ_MAGIC = 0x67677371u;     // 'ggsq' sequence state file
+constexpr uint32_t GGSQ_VERSION = 3;
+constexpr uint32_t GGSN_MAGIC = 0x6767736eu;     // 'ggsn' session file
+constexpr uint32_t GGSN_VERSION = 10;
+constexpr uint32_t MAX_STREAMS = 256;            // llama.cpp's LLAMA_MAX_SEQ
+constexpr uint32_t MAX_SEQ_ID = 256;
+constexpr uint32_t MAX_LAYERS = 4096;
+constexpr uint32_t MAX_ARCH_NAME = 256;
+constexpr uint32_t CELL_EXT_BYTES = 12;          // llama_kv_cell_ext: x, y, tok (M-RoPE / PLE models)
+constexpr uint64_t MAX_ROW_BYTES = 1ull << 28;
+
+const GgmlType GGML_TYPES[] = {
+    {0, "f32", 1, 4, true},     {1, "f16", 1, 2, true},     {30, "bf16", 1, 2, true},
+    {2, "q4_0", 32, 18, false}, {3, "q4_1", 32, 20, false}, {6, "q5_0", 32, 22, false},
+    {7, "q5_1", 32, 24, false}, {8, "q8_0", 32, 34, false}, {20, "iq4_nl", 32, 18, false},
+};
+
+// Tensors and cell positions of one KV cache, collected before being committed: a failed attempt
+// (another cell-ext width, or bytes that are not a KV cache) leaves the ParsedState untouched.
+struct CacheParse {
+    std::vector<TensorDesc> tensors;
+    std::vector<std::vector<int32_t>> cell_pos;
+    uint32_t n_cells = 0;
+    uint32_t n_layers = 0;
+};
+
+const GgmlType & kv_type(int32_t id, const char * what, uint32_t layer) {
+    const GgmlType * t = ggml_type_info(id);
+    LCG_CHECK(t != nullptr, LCG_ERR_UNSUPPORTED_FORMAT,
+              "%s of layer %u has ggml type %d, which is not a KV cache type this library reads "
+              "(f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl)", what, layer, id);
+    return *t;
+}
+
+// A K layer, or a V layer with v_trans = 0: type, row size, one row per cell.
+TensorDesc parse_rows(ByteReader & r, bool is_v, uint32_t layer, uint32_t n_layer, uint32_t n_cells) {
+    const char * what = is_v ? "V" : "K";
+    const GgmlType & t = kv_type(r.i32(), what, layer);
+    const uint64_t row_bytes = r.u64();
+    LCG_CHECK(row_bytes > 0 && row_bytes <= MAX_ROW_BYTES && row_bytes % t.type_size == 0,
+              LCG_ERR_UNSUPPORTED_FORMAT, "%s row size %llu of layer %u is not a multiple of the %s block (%u bytes)",
+              what, (unsigned long long) row_bytes, layer, t.name, t.type_size);
+    TensorDesc d{};
+    d.ggml_type = t.id;
+    d.is_v = is_v;
+    d.transposed = false;
+    d.layer = layer;
+    d.n_layer = n_layer;
+    d.n_cells = n_cells;
+    d.n_units = static_cast<uint32_t>(row_bytes / t.type_size);
+    d.unit_bytes = t.type_size;
+    d.offset = r.pos();
+    r.take(d.bytes());
+    return d;
+}
+
+// A V layer with v_trans = 1: type, element size, n_embd_v_gqa runs of n_cells elements.
+TensorDesc parse_transposed(ByteReader & r, uint32_t layer, uint32_t n_layer, uint32_t n_cells) {
+    const GgmlType & t = kv_type(r.i32(), "V", layer);
+    const uint32_t elem_bytes = r.u32();
+    const uint32_t n_embd = r.u32();
+    LCG_CHECK(elem_bytes == t.type_size, LCG_ERR_UNSUPPORTED_FORMAT,
+              "transposed V of layer %u declares %u-byte elements for type %s (%u bytes)", layer, elem_bytes,
+              t.name, t.type_size);
+    LCG_CHECK(n_embd > 0 && static_cast<uint64_t>(n_embd) * elem_bytes <= MAX_ROW_BYTES, LCG_ERR_UNSUPPORTED_FORMAT,
+              "transposed V of layer %u has %u channels", layer, n_embd);
+    TensorDesc d{};
+    d.ggml_type = t.id;
+    d.is_v = true;
+    d.transposed = true;
+    d.layer = layer;
+    d.n_layer = n_layer;
+    d.n_cells = n_cells;
+    d.n_units = n_embd;
+    d.unit_bytes = elem_bytes;
+    d.offset = r.pos();
+    r.take(d.bytes());
+    return d;
+}
+
+// One llama_kv_cache::state_write section (docs/llama-state.md).
+void parse_kv_cache(ByteReader & r, uint32_t ext_bytes, CacheParse & out) {
+    const uint32_t n_stream = r.u32();
+    LCG_CHECK(n_stream >= 1 && n_stream <= MAX_STREAMS, LCG_ERR_UNSUPPORTED_FORMAT,
+              "KV cache declares %u streams (1..%u expected)", n_stream, MAX_STREAMS);
+    for (uint32_t s = 0; s < n_stream; s++) {
+        const uint32_t n_cells = r.u32();
+        if (n_cells == 0) {
+            continue;
+        }
+        LCG_CHECK(n_cells <= r.remaining() / 8, LCG_ERR_UNSUPPORTED_FORMAT,
+                  "stream %u declares %u cells but only %zu bytes follow", s, n_cells, r.remaining());
+        std::vector<int32_t> pos(n_cells);
+        for (uint32_t i = 0; i < n_cells; i++) {
+            pos[i] = r.i32();
+            const uint32_t n_seq = r.u32();
+            LCG_CHECK(n_seq <= MAX_SEQ_ID, LCG_ERR_UNSUPPORTED_FORMAT, "cell %u lists %u sequences", i, n_seq);
+            r.take(ext_bytes);
+            for (uint32_t k = 0; k < n_seq; k++) {
+                const int32_t seq = r.i32();
+                LCG_CHECK(seq >= 0 && static_cast<uint32_t>(seq) < MAX_SEQ_ID, LCG_ERR_UNSUPPORTED_FORMAT,
+                          "cell %u has sequence id %d", i, seq);
+            }
+        }
+        const uint32_t v_trans = r.u32();
+        const uint32_t n_layer = r.u32();
+        LCG_CHECK(v_trans <= 1, LCG_ERR_UNSUPPORTED_FORMAT, "v_trans is %u (0 or 1 expected)", v_trans);
+        LCG_CHECK(n_layer >= 1 && n_layer <= MAX_LAYERS, LCG_ERR_UNSUPPORTED_FORMAT, "KV cache declares %u layers",
+                  n_layer);
+        const uint32_t cell_group = static_cast<uint32_t>(out.cell_pos.size());
+        out.cell_pos.push_back(std::move(pos));
+        out.n_cells += n_cells;
+        if (out.n_layers == 0) {
+            out.n_layers = n_layer;
+        }
+        for (uint32_t l = 0; l < n_layer; l++) {
+            out.tensors.push_back(parse_rows(r, false, l, n_layer, n_cells));
+            out.tensors.back().cell_group = cell_group;
+        }
+        // Layers without V (e.g. MLA) write nothing: accept all n_layer V tensors or none.
+        const size_t v_start = r.pos();
+        const size_t n_k = out.tensors.size();
+        try {
+            for (uint32_t l = 0; l < n_layer; l++) {
+                out.tensors.push_back(v_trans ? parse_transposed(r, l, n_layer, n_cells)
+                                              : parse_rows(r, true, l, n_layer, n_cells));
+                out.tensors.back().cell_group = cell_group;
+            }
+        } catch (const Error &) {
+            if (out.tensors.size() > n_k) {
+                throw;  // some V layers parsed: the layout is broken, not V-less
+            }
+            r.seek(v_start);
+        }
+    }
+}
+
+std::string printable(const uint8_t * p, size_t n) {
+    std::string s;
+    for (size_t i = 0; i < n && i < 32; i++) {
+        s += (p[i] >= 0x20 && p[i] < 0x7f) ? static_cast<char>(p[i]) : '?';
+    }
+    return s;
+}
+
+void parse_arch(ByteReader & r) {
+    const uint32_t len = r.u32();
+    LCG_CHECK(len >= 1 && len <= MAX_ARCH_NAME, LCG_ERR_UNSUPPORTED_FORMAT,
+              "architecture name length %u at offset %zu (1..%u expected)", len, r.pos() - 4, MAX_ARCH_NAME);
+    const uint8_t * name = r.take(len);
+    for (uint32_t i = 0; i < len; i++) {
+        LCG_CHECK(name[i] >= 0x20 && name[i] < 0x7f, LCG_ERR_UNSUPPORTED_FORMAT,
+                  "architecture name '%s' is not printable ASCII", printable(name, len).c_str());
+    }
+}
+
+void parse_tokens(ByteReader & r, ParsedState & st) {
+    st.n_tokens = r.u32();
+    LCG_CHECK(st.n_tokens <= r.remaining() / 4, LCG_ERR_UNSUPPORTED_FORMAT,
+              "file declares %u prompt tokens but only %zu bytes follow", st.n_tokens, r.remaining());
+    r.take(static_cast<size_t>(st.n_tokens) * 4);
+}
+
+int32_t detect_kind(const uint8_t * data, size_t size) {
+    LCG_CHECK(size >= 8, LCG_ERR_UNSUPPORTED_FORMAT, "a llama.cpp state is at least 8 bytes, got %zu", size);
+    uint32_t magic;
+    std::memcpy(&magic, data, 4);
+    switch (magic) {
+        case IO_MAGIC: return LCG_KIND_SEQ_BUFFER;
+        case GGSQ_MAGIC: return LCG_KIND_SEQ_FILE;
+        case GGSN_MAGIC: return LCG_KIND_SESSION;
+        default: break;
+    }
+    if (magic >= 1 && magic <= MAX_ARCH_NAME && size >= 4 + magic) {
+        return LCG_KIND_FULL_BUFFER;
+    }
+    fail(LCG_ERR_UNSUPPORTED_FORMAT,
+         "first word 0x%08x matches no llama.cpp state kind (sequence buffer magic 0xaf143cd8, "
+         "'ggsq' sequence file, 'ggsn' session file, or an architecture name)", magic);
+}
+
+} // namespace
+
+const GgmlType * ggml_type_info(int32_t id) {
+    for (const GgmlType & t : GGML_TYPES) {
+        if (t.id == id) {
+            return &t;
+        }
+    }
+    return nullptr;
+}
+
+const char * state_kind_name(int32_t kind) {
+    switch (kind) {
+        case LCG_KIND_SEQ_BUFFER: return "sequence state buffer";
+        case LCG_KIND_FULL_BUFFER: return "full state buffer";
+        case LCG_KIND_SEQ_FILE: return "sequence state file";
+        case LCG_KIND_SESSION: return "session file";
+        default: return "unknown";
+    }
+}
+
+ParsedState parse_state(const uint8_t * data, size_t size, int32_t kind) {
+    ParsedState st;
+    st.kind = kind == LCG_KIND_AUTO ? detect_kind(data, size) : kind;
+    ByteReader r(data, size, LCG_ERR_UNSUPPORTED_FORMAT, state_kind_name(st.kind));
+
+    switch (st.kind) {
+        case LCG_KIND_SEQ_BUFFER: {
+            const uint32_t magic = r.u32();
+            LCG_CHECK(magic == IO_MAGIC, LCG_ERR_UNSUPPORTED_FORMAT,
+                      "sequence state buffer starts with 0x%08x, expected 0x%08x", magic, IO_MAGIC);
+            r.i32();  // seq id it was saved from
+            break;
+        }
+        case LCG_KIND_FULL_BUFFER:
+            parse_arch(r);
+            break;
+        case LCG_KIND_SEQ_FILE: {
+            const uint32_t magic = r.u32(), version = r.u32();
+            LCG_CHECK(magic == GGSQ_MAGIC, LCG_ERR_UNSUPPORTED_FORMAT, "sequence file magic 0x%08x, expected 'ggsq'",
+                      magic);
+            LCG_CHECK(version == GGSQ_VERSION, LCG_ERR_UNSUPPORTED_FORMAT,
+                      "sequence state file version %u; this library reads version %u", version, GGSQ_VERSION);
+            parse_tokens(r, st);
+            break;
+        }
+        case LCG_KIND_SESSION: {
+            const uint32_t magic = r.u32(), version = r.u32();
+            LCG_CHECK(magic == GGSN_MAGIC, LCG_ERR_UNSUPPORTED_FORMAT, "session file magic 0x%08x, expected 'ggsn'",
+                      magic);
+            LCG_CHECK(version == GGSN_VERSION, LCG_ERR_UNSUPPORTED_FORMAT,
+                      "session file version %u; this library reads version %u", version, GGSN_VERSION);
+            parse_tokens(r, st);
+            parse_arch(r);
+            break;
+        }
+        default:
+            fail(LCG_ERR_INVALID_ARGUMENT, "unknown state kind %d", kind);
+    }
+
+    // MEMORY: one or more KV caches (two for interleaved SWA); what follows them (the recurrent
+    // part of a hybrid model) is carried verbatim.
+    std::string first_error;
+    while (r.remaining() > 0) {
+        const size_t start = r.pos();
+        CacheParse cache;
+        bool ok = false;
+        for (uint32_t ext : {0u, CELL_EXT_BYTES}) {
+            try {
+                cache = CacheParse{};
+                r.seek(start);
+                parse_kv_cache(r, ext, cache);
+                ok = true;
+                break;
+            } catch (const Error & e) {
+                if (first_error.empty()) {
+                    first_error = e.what();
+                }
+            }
+        }
+        if (!ok) {
+            r.seek(start);
+            break;
+        }
+        const uint32_t group_base = static_cast<uint32_t>(st.cell_pos.size());
+        for (TensorDesc & t : cache.tensors) {
+            t.cell_group += group_base;
+            st.kv_bytes += t.bytes();
+            st.tensors.push_back(t);
+        }
+        for (auto & p : cache.cell_pos) {
+            st.cell_pos.push_back(std::move(p));
+        }
+        st.n_cells += cache.n_cells;
+        if (st.n_caches++ == 0) {
+            st.n_layers = cache.n_layers;
+        }
+    }
+    LCG_CHECK(st.n_caches > 0 || r.remaining() == 0, LCG_ERR_UNSUPPORTED_FORMAT,
+              "%s: the %zu bytes at offset %zu are not a KV cache this library reads (%s)",
+              state_kind_name(st.kind), r.remaining(), r.pos(), first_error.c_str());
+
+    uint64_t at = 0;
+    for (size_t i = 0; i < st.tensors.size(); i++) {
+        const TensorDesc & t = st.tensors[i];
+        if (t.offset > at) {
+            st.segments.push_back({at, t.offset - at, -1});
+        }
+        st.segments.push_back({t.offset, t.bytes(), static_cast<int32_t>(i)});
+        at = t.offset + t.bytes();
+    }
+    if (at < size) {
+        st.segments.push_back({at, size - at, -1});
+    }
+    return st;
+}
+
+} // namespace lcg

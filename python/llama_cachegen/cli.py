@@ -1,0 +1,360 @@
+"""`llama-cachegen`: demo, compress, decompress, inspect, eval, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import codec
+from .errors import CacheGenError, NotAContainerError
+from .stores import read_url, write_url
+
+DEMO_QUESTION = "\n\nQuestion: What is the name of the license above?\nAnswer:"
+
+
+def _progress(message: str) -> None:
+    print(f"llama-cachegen: {message}", file=sys.stderr, flush=True)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _text(name_or_path: str) -> str:
+    from .model import TEXTS, sample_text
+
+    return sample_text(name_or_path) if name_or_path in TEXTS else Path(name_or_path).read_text(encoding="utf-8")
+
+
+def _model(path: str | None) -> str:
+    from .model import default_model_path
+
+    return str(path or default_model_path())
+
+
+# --- demo -----------------------------------------------------------------------------------
+
+
+def _prefill(llm: Any, tokens: list[int]) -> float:
+    """Evaluates `tokens` batch by batch with a progress line; returns seconds."""
+    start = time.perf_counter()
+    for i in range(0, len(tokens), llm.n_batch):
+        llm.eval(tokens[i : i + llm.n_batch])
+        print(f"\r  prefill {min(i + llm.n_batch, len(tokens))}/{len(tokens)} tokens", end="", file=sys.stderr,
+              flush=True)
+    print(file=sys.stderr)
+    return time.perf_counter() - start
+
+
+def _answer(llm: Any, prompt: list[int], max_tokens: int) -> tuple[str, int]:
+    """Greedy answer and how many prompt tokens llama.cpp evaluated for it."""
+    import llama_cpp
+
+    llama_cpp.llama_perf_context_reset(llm.ctx)
+    out = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0)
+    return out["choices"][0]["text"], int(llama_cpp.llama_perf_context(llm.ctx).n_p_eval)
+
+
+def _demo_worker(args: argparse.Namespace) -> int:
+    from .llama import Llama, load_compressed_state, save_compressed_state
+
+    llm = Llama(args.model, n_ctx=args.n_ctx, n_threads=args.threads, verbose=False)
+    question = llm.tokenize(DEMO_QUESTION.encode(), add_bos=False)
+    result: dict[str, Any] = {}
+    if args.role == "prefill":
+        tokens = llm.tokenize(_text(args.text).encode())[: args.tokens]
+        result["prefill_s"] = _prefill(llm, tokens)
+        start = time.perf_counter()
+        blob = save_compressed_state(llm, level=args.level, threads=args.threads)
+        result["encode_s"] = time.perf_counter() - start
+        write_url(args.object, blob)
+        info = codec.inspect(blob)
+        result.update(tokens=len(tokens), state_bytes=info["state_size"], compressed_bytes=len(blob))
+    else:
+        report = load_compressed_state(llm, args.object, threads=args.threads)
+        result.update(load_s=(report.read_ms + report.decode_ms + report.restore_ms) / 1e3,
+                      decode_ms=report.decode_ms, tokens=report.tokens)
+        tokens = llm.input_ids[: llm.n_tokens].tolist()
+    result["answer"], result["evaluated"] = _answer(llm, tokens + question, args.max_tokens)
+    print(json.dumps(result))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .model import cache_dir
+
+    model = _model(args.model)
+    store = args.store or (cache_dir() / "demo-store").as_uri()
+    obj = f"{store.rstrip('/')}/demo-{args.level}.lcg"
+    common = ["--model", model, "--text", args.text, "--tokens", str(args.tokens), "--n-ctx", str(args.n_ctx),
+              "--level", args.level, "--threads", str(args.threads), "--object", obj,
+              "--max-tokens", str(args.max_tokens)]
+    runs = {}
+    for step, role, what in ((1, "prefill", f"prefill {args.tokens} tokens of {args.text}, save compressed"),
+                             (2, "load", "load the compressed state, answer")):
+        _progress(f"[{step}/2] process {step}: {what}")
+        proc = subprocess.run(
+            [sys.executable, "-m", "llama_cachegen", "_demo-worker", "--role", role, *common],
+            stdout=subprocess.PIPE, text=True, check=False,
+        )
+        if proc.returncode:
+            _progress(f"process {step} failed (exit {proc.returncode})")
+            return 1
+        runs[role] = json.loads(proc.stdout.strip().splitlines()[-1])
+    first, second = runs["prefill"], runs["load"]
+    match = first["answer"] == second["answer"]
+    summary = {
+        "tokens": first["tokens"],
+        "state_bytes": first["state_bytes"],
+        "compressed_bytes": first["compressed_bytes"],
+        "ratio": first["state_bytes"] / first["compressed_bytes"],
+        "prefill_s": first["prefill_s"],
+        "load_s": second["load_s"],
+        "answer_uncompressed": first["answer"],
+        "answer_restored": second["answer"],
+        "answer_matches": match,
+        "tokens_evaluated_after_load": second["evaluated"],
+        "level": args.level,
+        "object": obj,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    rows = [
+        ("tokens", str(first["tokens"])),
+        ("f16 state", _size(first["state_bytes"])),
+        (f"compressed ({args.level})", _size(first["compressed_bytes"])),
+        ("ratio", f"{summary['ratio']:.2f}x"),
+        ("prefill (process 1)", f"{first['prefill_s']:.2f} s"),
+        ("load (process 2)", f"{second['load_s']:.3f} s  ({first['prefill_s'] / max(second['load_s'], 1e-9):.0f}x faster)"),
+        ("tokens evaluated after load", f"{second['evaluated']} (the question only)"),
+        ("answer matches uncompressed", "yes" if match else "no"),
+    ]
+    print(_table(rows))
+    print(f"\nuncompressed answer: {first['answer'].strip()!r}\nrestored answer:     {second['answer'].strip()!r}")
+    return 0
+
+
+# --- compress / decompress / inspect ---------------------------------------------------------
+
+
+def _compress(args: argparse.Namespace) -> int:
+    data = read_url(args.input)
+    start = time.perf_counter()
+    blob = codec.encode(data, args.level, kind=args.kind, threads=args.threads)
+    seconds = time.perf_counter() - start
+    write_url(args.output, blob)
+    result = {"input": str(args.input), "output": str(args.output), "state_bytes": len(data),
+              "compressed_bytes": len(blob), "ratio": len(data) / len(blob), "level": args.level, "seconds": seconds}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{args.input} -> {args.output}: {_size(len(data))} -> {_size(len(blob))} "
+              f"({result['ratio']:.2f}x, {args.level}) in {seconds:.2f} s")
+    return 0
+
+
+def _decompress(args: argparse.Namespace) -> int:
+    blob = read_url(args.input)
+    start = time.perf_counter()
+    data = codec.decode(blob, threads=args.threads)
+    seconds = time.perf_counter() - start
+    write_url(args.output, data)
+    result = {"input": str(args.input), "output": str(args.output), "compressed_bytes": len(blob),
+              "state_bytes": len(data), "seconds": seconds}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{args.input} -> {args.output}: {_size(len(blob))} -> {_size(len(data))} in {seconds:.2f} s")
+    return 0
+
+
+def _envelope(blob: bytes) -> dict[str, Any] | None:
+    """The llama-cpp-python envelope of a container, when it has one and llama_cpp is installed."""
+    try:
+        from .llama import StateMeta
+    except ImportError:
+        return None
+    try:
+        meta = StateMeta.unpack(codec.user_meta(blob))
+    except CacheGenError:
+        return None
+    return {"scope": meta.scope, "seq_id": meta.seq_id, "n_ctx": meta.n_ctx, "tokens": int(meta.tokens.size),
+            "last_logits": meta.logits is not None, "fingerprint": meta.fingerprint}
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    data = read_url(args.file)
+    try:
+        info: dict[str, Any] = {"type": "llama-cachegen container", **codec.inspect(data)}
+        envelope = _envelope(data)
+        if envelope is not None:
+            info["llama_cpp_python"] = envelope
+    except NotAContainerError:
+        info = {"type": "llama.cpp state", **codec.inspect_state(data, args.kind)}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{args.file}: {info.pop('type')}")
+    for key, value in info.items():
+        if isinstance(value, dict):
+            print(f"  {key}:")
+            for k, v in value.items():
+                print(f"    {k}: {v}")
+        elif isinstance(value, float):
+            print(f"  {key}: {value:.4g}")
+        else:
+            print(f"  {key}: {value}")
+    return 0
+
+
+# --- eval ------------------------------------------------------------------------------------
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .quality import compare_logits, continuation_logits, make_llama, state_of
+
+    model = _model(args.model)
+    n_ctx = args.tokens + args.cont + 64
+    _progress(f"loading {model}")
+    llm = make_llama(model, n_ctx=n_ctx, n_threads=args.threads)
+    all_tokens = llm.tokenize(_text(args.text).encode())
+    if len(all_tokens) < args.tokens + args.cont:
+        raise CacheGenError(f"{args.text} has {len(all_tokens)} tokens, fewer than --tokens + --cont")
+    prefix, cont = all_tokens[: args.tokens], all_tokens[args.tokens : args.tokens + args.cont]
+    _progress(f"prefill {len(prefix)} tokens, reference logits over {len(cont)} more")
+    state = state_of(llm, prefix)
+    ref = continuation_logits(llm, state, prefix, cont)
+    rows: list[dict[str, Any]] = []
+    for level in args.levels:
+        _progress(f"level {level}")
+        start = time.perf_counter()
+        blob = codec.encode(state, level, kind="seq_buffer", threads=args.threads)
+        encode_s = time.perf_counter() - start
+        restored = codec.decode(blob, threads=args.threads)
+        metrics = compare_logits(ref, continuation_logits(llm, restored, prefix, cont), cont)
+        rows.append({"method": f"llama-cachegen {level}", "bytes": len(blob), "ratio": len(state) / len(blob),
+                     "encode_s": encode_s, **metrics})
+    for name in args.cache_types:
+        _progress(f"llama.cpp cache type {name}")
+        # llama.cpp quantizes the V cache only with flash attention
+        qllm = make_llama(model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True, type_k=name, type_v=name)
+        qstate = state_of(qllm, prefix)
+        metrics = compare_logits(ref, continuation_logits(qllm, qstate, prefix, cont), cont)
+        qllm.close()
+        rows.append({"method": f"llama.cpp {name}", "bytes": len(qstate), "ratio": len(state) / len(qstate),
+                     **metrics})
+    result = {"model": model, "text": args.text, "tokens": len(prefix), "cont": len(cont),
+              "state_bytes": len(state), "rows": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{len(prefix)} tokens of {args.text}, f16 state {_size(len(state))}; quality over the next {len(cont)} "
+          "tokens vs the f16 state")
+    table = [("method", "size", "ratio", "KL", "top-1", "Δppl")]
+    table += [(r["method"], _size(r["bytes"]), f"{r['ratio']:.2f}x", f"{r['kl']:.4f}", f"{r['top1']:.3f}",
+               f"{r['dppl']:+.4f}") for r in rows]
+    print(_table(table))
+    return 0
+
+
+# --- serve -----------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .stores.http import serve
+
+    serve(args.dir, args.host, args.port, verbose=args.verbose)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llama-cachegen", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    threads = {"type": int, "default": min(os.cpu_count() or 1, 8), "help": "CPU threads (default: %(default)s)"}
+    levels = list(codec.LEVELS)
+
+    def llama_args(p: argparse.ArgumentParser, tokens: int) -> None:
+        p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
+        p.add_argument("--text", default="gpl-3.0.txt", help="a text file or a bundled text (default: %(default)s)")
+        p.add_argument("--tokens", type=int, default=tokens, help="context tokens (default: %(default)s)")
+        p.add_argument("--threads", **threads)
+
+    p = sub.add_parser("demo", help="prefill in one process, load compressed in another, compare answers")
+    llama_args(p, 1536)
+    p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument("--level", choices=levels, default="balanced")
+    p.add_argument("--store", help="store URL for the state (default: a folder in the cache directory)")
+    p.add_argument("--max-tokens", type=int, default=24, help="answer length")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("_demo-worker")  # one process of the demo; not for direct use
+    llama_args(p, 1536)
+    for flag in ("--role", "--object", "--level"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--n-ctx", type=int, required=True)
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.set_defaults(func=_demo_worker)
+
+    p = sub.add_parser("compress", help="compress a llama.cpp state file (any supported kind)")
+    p.add_argument("input", help="state file: path or store URL")
+    p.add_argument("output", help="container: path or store URL")
+    p.add_argument("--level", choices=levels, default="balanced")
+    p.add_argument("--kind", choices=list(codec.KINDS), default="auto")
+    p.add_argument("--threads", **threads)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_compress)
+
+    p = sub.add_parser("decompress", help="restore the llama.cpp state bytes of a container")
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("--threads", **threads)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_decompress)
+
+    p = sub.add_parser("inspect", help="describe a container or a raw llama.cpp state file")
+    p.add_argument("file")
+    p.add_argument("--kind", choices=list(codec.KINDS), default="auto", help="state kind of a raw state")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("eval", help="quality and size per level, vs llama.cpp's quantized cache types")
+    llama_args(p, 1024)
+    p.add_argument("--cont", type=int, default=256, help="teacher-forced continuation tokens")
+    p.add_argument("--levels", nargs="+", choices=levels, default=levels)
+    p.add_argument("--cache-types", nargs="*", default=["q8_0", "q4_0"], help="llama.cpp KV types to compare")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("serve", help="serve a directory as an HTTP store (GET/PUT/HEAD/DELETE)")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on stderr)")
+    p.add_argument("--verbose", action="store_true", help="log every request")
+    p.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (CacheGenError, OSError) as exc:
+        print(f"llama-cachegen {args.command}: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,78 @@
+"""Exceptions raised by llama_cachegen; one class per native status code."""
+
+from __future__ import annotations
+
+
+class CacheGenError(Exception):
+    """Base class of every llama_cachegen error."""
+
+    status: int = -11
+    status_name: str = "LCG_ERR_INTERNAL"
+
+
+class InvalidArgumentError(CacheGenError, ValueError):
+    """A bad argument: unknown level, negative knob, wrong buffer type."""
+
+
+class UnsupportedFormatError(CacheGenError):
+    """The input is not a llama.cpp state layout this library reads."""
+
+
+class NotAContainerError(CacheGenError):
+    """The data does not start with the llama-cachegen container magic."""
+
+
+class UnsupportedVersionError(CacheGenError):
+    """The container was written by a newer format version."""
+
+
+class CorruptDataError(CacheGenError):
+    """The container is damaged: inconsistent content."""
+
+
+class TruncatedDataError(CorruptDataError):
+    """The container ends before the sizes it declares."""
+
+
+class ChecksumError(CorruptDataError):
+    """A CRC32C does not match: the bytes changed after encoding."""
+
+
+class LimitExceededError(CorruptDataError):
+    """A declared size is beyond the library's bounds."""
+
+
+class NativeMemoryError(CacheGenError, MemoryError):
+    """The native library could not allocate memory."""
+
+
+class InternalError(CacheGenError):
+    """A bug in the native library."""
+
+
+class ModelMismatchError(CacheGenError):
+    """A state was saved from another model, context shape or KV type than the target."""
+
+
+class StoreError(CacheGenError):
+    """A store could not read or write an entry."""
+
+
+class EntryNotFoundError(StoreError, KeyError):
+    """No entry under that key or URL."""
+
+
+# Pinned native status codes (native/include/llama_cachegen.h) -> exception classes.
+STATUS_EXCEPTIONS: dict[int, type[CacheGenError]] = {
+    -1: InvalidArgumentError,
+    -2: UnsupportedFormatError,
+    -3: NotAContainerError,
+    -4: UnsupportedVersionError,
+    -5: TruncatedDataError,
+    -6: ChecksumError,
+    -7: CorruptDataError,
+    -8: LimitExceededError,
+    -9: InternalError,  # dst too small: the binding sizes buffers itself, so this is a bug
+    -10: NativeMemoryError,
+    -11: InternalError,
+}

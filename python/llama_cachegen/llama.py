@@ -1,0 +1,393 @@
+"""llama-cpp-python integration: save and load compressed context state.
+
+A saved state is one llama-cachegen container: the llama.cpp state bytes (the whole context or
+one sequence) plus, in its user_meta, an envelope with what llama-cpp-python needs to resume and
+what must match before loading:
+
+    b"LCGL", u32 envelope version, u32 header size, JSON header (utf-8),
+    i32 tokens[n_tokens], f32 logits[n_logits]              (all little-endian)
+
+The header holds the model fingerprint, the scope ("all" or "seq"), the token and logit counts,
+the saving context's n_ctx and the seed. Nothing in it is executed or unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+from llama_cpp import _internals
+
+from . import codec
+from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, ModelMismatchError
+from .stores import read_url, write_url
+
+ENVELOPE_MAGIC = b"LCGL"
+ENVELOPE_VERSION = 1
+_PREFIX = struct.Struct("<4sII")
+_MAX_HEADER = 1 << 20
+
+_GGML_TYPE_NAMES = {
+    getattr(llama_cpp, name): name.removeprefix("GGML_TYPE_").lower()
+    for name in dir(llama_cpp)
+    if name.startswith("GGML_TYPE_") and isinstance(getattr(llama_cpp, name), int)
+}
+# Fields that must be equal for a state to load; n_ctx is checked separately (smaller is fine).
+FINGERPRINT_FIELDS = (
+    "arch",
+    "n_layer",
+    "n_head",
+    "n_head_kv",
+    "n_embd",
+    "n_vocab",
+    "type_k",
+    "type_v",
+    "model_hash",
+    "state_format",
+)
+
+
+@dataclass
+class StateMeta:
+    """The envelope stored in a saved state's user_meta."""
+
+    fingerprint: dict[str, Any]
+    scope: str  # "all": the whole context; "seq": one sequence
+    seq_id: int | None  # the sequence it was saved from
+    n_ctx: int
+    tokens: np.ndarray  # int32 token ids, may be empty when unknown
+    logits: np.ndarray | None = None  # float32 [n_vocab]: logits after the last token
+    seed: int | None = None
+
+    def pack(self) -> bytes:
+        tokens = np.ascontiguousarray(self.tokens, dtype="<i4")
+        logits = np.ascontiguousarray(self.logits if self.logits is not None else [], dtype="<f4")
+        header = json.dumps(
+            {
+                "fingerprint": self.fingerprint,
+                "scope": self.scope,
+                "seq_id": self.seq_id,
+                "n_ctx": self.n_ctx,
+                "n_tokens": int(tokens.size),
+                "n_logits": int(logits.size),
+                "seed": self.seed,
+            },
+            sort_keys=True,
+        ).encode()
+        return _PREFIX.pack(ENVELOPE_MAGIC, ENVELOPE_VERSION, len(header)) + header + tokens.tobytes() + logits.tobytes()
+
+    @classmethod
+    def unpack(cls, data: bytes) -> StateMeta:
+        if len(data) < _PREFIX.size:
+            raise InvalidArgumentError("the container holds no llama-cachegen llama-cpp-python envelope")
+        magic, version, header_size = _PREFIX.unpack_from(data)
+        if magic != ENVELOPE_MAGIC:
+            raise InvalidArgumentError("the container holds no llama-cachegen llama-cpp-python envelope")
+        if version != ENVELOPE_VERSION:
+            raise CorruptDataError(f"envelope version {version}; this release reads {ENVELOPE_VERSION}")
+        if header_size > min(_MAX_HEADER, len(data) - _PREFIX.size):
+            raise CorruptDataError(f"envelope header of {header_size} bytes overruns the envelope")
+        try:
+            header = json.loads(data[_PREFIX.size : _PREFIX.size + header_size])
+            n_tokens, n_logits = int(header["n_tokens"]), int(header["n_logits"])
+            scope, fingerprint = header["scope"], header["fingerprint"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptDataError(f"unreadable envelope header: {exc}") from exc
+        offset = _PREFIX.size + header_size
+        if scope not in ("all", "seq") or not isinstance(fingerprint, dict) or min(n_tokens, n_logits) < 0:
+            raise CorruptDataError("invalid envelope header")
+        if len(data) != offset + 4 * (n_tokens + n_logits):
+            raise CorruptDataError("envelope arrays do not match their declared sizes")
+        tokens = np.frombuffer(data, dtype="<i4", count=n_tokens, offset=offset).astype(np.intc)
+        logits = np.frombuffer(data, dtype="<f4", count=n_logits, offset=offset + 4 * n_tokens)
+        return cls(
+            fingerprint=fingerprint,
+            scope=scope,
+            seq_id=header.get("seq_id"),
+            n_ctx=int(header.get("n_ctx", 0)),
+            tokens=tokens,
+            logits=logits.astype(np.single) if n_logits else None,
+            seed=header.get("seed"),
+        )
+
+
+@dataclass
+class LoadReport:
+    """What `load_compressed_state` did."""
+
+    tokens: int  # token ids restored into llama-cpp-python's bookkeeping
+    cells: int  # KV cells restored
+    bytes_read: int
+    state_bytes: int
+    ratio: float
+    read_ms: float
+    decode_ms: float
+    restore_ms: float
+    seq_id: int | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_hash_cache: dict[tuple[str, int, int], str] = {}
+
+
+def _model_hash(llm: llama_cpp.Llama) -> str:
+    """sha256 of the model's metadata, tensor sizes and 16 evenly spaced 64 KiB blocks of its file.
+
+    Sampling the file keeps this at milliseconds for multi-GB models while still telling apart
+    fine-tunes that share an architecture (their weights differ everywhere).
+    """
+    path = os.fspath(llm.model_path)
+    st = os.stat(path)
+    cache_key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if cache_key in _hash_cache:
+        return _hash_cache[cache_key]
+    h = hashlib.sha256()
+    h.update(json.dumps(llm.metadata, sort_keys=True, default=str).encode())
+    h.update(struct.pack("<QQQ", llama_cpp.llama_model_size(llm.model), llama_cpp.llama_model_n_params(llm.model),
+                         st.st_size))
+    block = 64 << 10
+    with open(path, "rb") as f:
+        for i in range(16):
+            f.seek(max(0, st.st_size - block) * i // 15)
+            h.update(f.read(block))
+    _hash_cache[cache_key] = digest = h.hexdigest()
+    return digest
+
+
+def model_fingerprint(llm: llama_cpp.Llama) -> dict[str, Any]:
+    """What must match between the saving and the loading context (FINGERPRINT_FIELDS)."""
+    model, params = llm.model, llm.context_params
+    return {
+        "arch": str(llm.metadata.get("general.architecture", "")),
+        "n_layer": llama_cpp.llama_model_n_layer(model),
+        "n_head": llama_cpp.llama_model_n_head(model),
+        "n_head_kv": llama_cpp.llama_model_n_head_kv(model),
+        "n_embd": llama_cpp.llama_model_n_embd(model),
+        "n_vocab": llm.n_vocab(),
+        "type_k": _GGML_TYPE_NAMES.get(params.type_k, str(params.type_k)),
+        "type_v": _GGML_TYPE_NAMES.get(params.type_v, str(params.type_v)),
+        "model_hash": _model_hash(llm),
+        # the state layout changes with llama.cpp; llama-cpp-python pins one llama.cpp per release
+        "state_format": f"llama-cpp-python {llama_cpp.__version__}",
+    }
+
+
+def fingerprint_key(fingerprint: dict[str, Any]) -> str:
+    """A short stable name for a fingerprint (used to keep caches of different models apart)."""
+    canonical = json.dumps({k: fingerprint.get(k) for k in FINGERPRINT_FIELDS}, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Raises ModelMismatchError naming every field that differs."""
+    diffs = [f"{k}: saved {saved.get(k)!r}, this context {current.get(k)!r}" for k in FINGERPRINT_FIELDS
+             if saved.get(k) != current.get(k)]
+    if diffs:
+        raise ModelMismatchError("state does not fit this model/context: " + "; ".join(diffs))
+
+
+def _capture(llm: llama_cpp.Llama, seq_id: int | None) -> bytes:
+    """The llama.cpp state of the whole context (seq_id None) or of one sequence."""
+    ctx = llm.ctx
+    if seq_id is None:
+        size = llama_cpp.llama_state_get_size(ctx)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_get_data(ctx, buf, size)
+    else:
+        size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, seq_id)
+    if not 0 < n <= size:
+        raise CacheGenError(f"llama.cpp could not copy the context state (seq_id {seq_id})")
+    return ctypes.string_at(buf, n)
+
+
+def _restore(llm: llama_cpp.Llama, state: bytes, seq_id: int | None) -> bool:
+    src = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))  # read-only, no copy
+    if seq_id is None:
+        n = llama_cpp.llama_state_set_data(llm.ctx, src, len(state))
+    else:
+        n = llama_cpp.llama_state_seq_set_data(llm.ctx, src, len(state), seq_id)
+    return n == len(state)
+
+
+def _last_logits(llm: llama_cpp.Llama) -> np.ndarray | None:
+    """The logits row after llama-cpp-python's last evaluated token; only kept with logits_all,
+    the one mode in which llama-cpp-python reads its score matrix."""
+    n = llm.n_tokens
+    if llm._logits_all and 0 < n <= llm.scores.shape[0]:
+        return llm.scores[n - 1].copy()
+    return None
+
+
+def _seq_id_ok(llm: llama_cpp.Llama, seq_id: int | None) -> None:
+    # llama.cpp aborts the process (GGML_ASSERT) on a sequence id beyond n_seq_max
+    n_seq_max = llama_cpp.llama_n_seq_max(llm.ctx)
+    if seq_id is not None and not 0 <= seq_id < n_seq_max:
+        raise InvalidArgumentError(f"seq_id {seq_id} out of range: this context has n_seq_max {n_seq_max}")
+
+
+def capture_meta(llm: llama_cpp.Llama, seq_id: int | None, tokens: Sequence[int] | None = None) -> StateMeta:
+    """The envelope for a state of `llm` (tokens default to llama-cpp-python's own, for seq 0 / all)."""
+    own = seq_id in (None, 0)
+    if tokens is None:
+        tokens = llm.input_ids[: llm.n_tokens] if own else []
+    return StateMeta(
+        fingerprint=model_fingerprint(llm),
+        scope="all" if seq_id is None else "seq",
+        seq_id=seq_id,
+        n_ctx=llm.n_ctx(),
+        tokens=np.asarray(tokens, dtype=np.intc),
+        logits=_last_logits(llm) if own and len(tokens) == llm.n_tokens else None,
+        seed=getattr(llm, "_seed", None),
+    )
+
+
+def save_compressed_state(
+    llm: llama_cpp.Llama,
+    dest: str | Path | None = None,
+    *,
+    level: str | int = "balanced",
+    seq_id: int | None = None,
+    tokens: Sequence[int] | None = None,
+    threads: int | None = None,
+) -> str | bytes:
+    """Captures, encodes and writes the state of `llm` (every sequence, or `seq_id`).
+
+    `dest` is a path or a store object URL (`file://`, `redis://`, `http://`); None returns the
+    container bytes. The token ids default to llama-cpp-python's own (for seq_id None or 0); pass
+    `tokens` for a sequence filled by other means. Returns where the state went.
+    """
+    _seq_id_ok(llm, seq_id)
+    state = _capture(llm, seq_id)
+    meta = capture_meta(llm, seq_id, tokens)
+    kind = "full_buffer" if seq_id is None else "seq_buffer"
+    blob = codec.encode(state, level, threads=threads, kind=kind, user_meta=meta.pack())
+    return blob if dest is None else write_url(dest, blob)
+
+
+def load_compressed_state(
+    llm: llama_cpp.Llama,
+    src: str | Path | bytes | bytearray | memoryview,
+    *,
+    seq_id: int | None = None,
+    threads: int | None = None,
+) -> LoadReport:
+    """Reads, verifies, decodes and restores a state saved by `save_compressed_state`.
+
+    A whole-context state replaces the context (seq_id must be None); a sequence state goes into
+    `seq_id` (default 0) and leaves other sequences alone. When it lands in sequence 0 or the whole
+    context, llama-cpp-python's tokens and last logits are restored too, so the next completion
+    whose prompt starts with the saved tokens evaluates only the rest. Everything is checked
+    before the context is touched; if llama.cpp still refuses the state, the context is put back
+    as it was and ModelMismatchError is raised.
+    """
+    t0 = time.perf_counter()
+    blob = bytes(src) if isinstance(src, (bytes, bytearray, memoryview)) else read_url(src)
+    t1 = time.perf_counter()
+    meta = StateMeta.unpack(codec.user_meta(blob))
+    check_fingerprint(meta.fingerprint, model_fingerprint(llm))
+    info = codec.inspect(blob)
+    if meta.scope == "all":
+        if seq_id is not None:
+            raise InvalidArgumentError("this state holds the whole context: load it with seq_id=None")
+        target = None
+    else:
+        target = 0 if seq_id is None else seq_id
+    _seq_id_ok(llm, target)
+    n_ctx = min(llm.n_ctx(), len(llm.input_ids))
+    if max(info["cells"], meta.tokens.size) > n_ctx:
+        raise ModelMismatchError(
+            f"context too small: the state holds {info['cells']} KV cells and {meta.tokens.size} tokens "
+            f"(saved with n_ctx {meta.n_ctx}), this context has n_ctx {n_ctx}"
+        )
+    state = codec.decode(blob, threads=threads)
+    t2 = time.perf_counter()
+    backup = _capture(llm, target)
+    if not _restore(llm, state, target):
+        restored = _restore(llm, backup, target)
+        raise ModelMismatchError(
+            "llama.cpp refused the state (see its log: KV layout, V transposition/flash attention, "
+            "or no room for the cells); "
+            + ("the context was put back as it was" if restored else "the context could not be put back")
+        )
+    own = target in (None, 0)
+    if own:
+        n = int(meta.tokens.size)
+        llm.input_ids[:n] = meta.tokens
+        llm.n_tokens = n
+        if meta.logits is not None and n and llm._logits_all and meta.logits.size == llm.n_vocab():
+            llm.scores[n - 1] = meta.logits
+        llm._requires_eval = True  # llama.cpp keeps no logits in a state: the next token is decoded again
+    t3 = time.perf_counter()
+    return LoadReport(
+        tokens=int(meta.tokens.size) if own else 0,
+        cells=int(info["cells"]),
+        bytes_read=len(blob),
+        state_bytes=len(state),
+        ratio=len(state) / len(blob),
+        read_ms=(t1 - t0) * 1e3,
+        decode_ms=(t2 - t1) * 1e3,
+        restore_ms=(t3 - t2) * 1e3,
+        seq_id=target,
+    )
+
+
+class Llama(llama_cpp.Llama):
+    """`llama_cpp.Llama` with compressed state save/load.
+
+    Takes the same arguments, plus `n_seq_max` (several sequences sharing one unified KV cache of
+    n_ctx cells, for per-sequence save/load).
+    """
+
+    def __init__(self, *args: Any, n_seq_max: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if n_seq_max is not None and n_seq_max != self.context_params.n_seq_max:
+            self._remake_context(n_seq_max)
+
+    def _remake_context(self, n_seq_max: int) -> None:
+        # llama-cpp-python exposes no n_seq_max: build the context again with it
+        if self.lora_path:
+            raise InvalidArgumentError("n_seq_max together with a LoRA adapter is not supported")
+        self.context_params.n_seq_max = n_seq_max
+        self.context_params.kv_unified = True  # one stream: states stay loadable into 1-sequence contexts
+        self._ctx.close()
+        self._ctx = self._stack.enter_context(
+            contextlib.closing(_internals.LlamaContext(model=self._model, params=self.context_params,
+                                                       verbose=self.verbose))
+        )
+
+    def save_compressed_state(
+        self,
+        dest: str | Path | None = None,
+        *,
+        level: str | int = "balanced",
+        seq_id: int | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> str | bytes:
+        """See `llama_cachegen.save_compressed_state`."""
+        return save_compressed_state(self, dest, level=level, seq_id=seq_id, tokens=tokens)
+
+    def load_compressed_state(
+        self, src: str | Path | bytes | bytearray | memoryview, *, seq_id: int | None = None
+    ) -> LoadReport:
+        """See `llama_cachegen.load_compressed_state`."""
+        return load_compressed_state(self, src, seq_id=seq_id)
+
+    def set_cache(self, cache: Any) -> None:
+        """Sets the prompt cache; a CompressedStateCache is bound to this model's fingerprint."""
+        bind = getattr(cache, "bind", None)
+        if callable(bind):
+            bind(self)
+        super().set_cache(cache)

@@ -1,0 +1,78 @@
+"""A store in a Redis server (redis-py): `redis://host:port[/db][?prefix=name:]`.
+
+Values are plain Redis strings under `<prefix><key>`; a sorted set `<prefix>__lru__` holds each
+key's last-use time. Every write is one MULTI/EXEC transaction, so a client that dies mid-send
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+from typing import Any
+
+from ..errors import EntryNotFoundError, StoreError
+from . import EntryInfo, Store, check_key
+
+
+class RedisStore(Store):
+    def __init__(self, url: str) -> None:
+        try:
+            import redis
+        except ImportError as exc:
+            raise StoreError("redis:// stores need the redis package: pip install 'llama-cachegen[redis]'") from exc
+        parts = urllib.parse.urlsplit(url)
+        query = urllib.parse.parse_qs(parts.query)
+        self.prefix = query.pop("prefix", ["lcg:"])[0]
+        self.url = url
+        self._lru = f"{self.prefix}__lru__"
+        rest = urllib.parse.urlencode(query, doseq=True)
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError,)
+        try:
+            self._redis: Any = redis.Redis.from_url(urllib.parse.urlunsplit(parts._replace(query=rest)))
+        except (ValueError, redis.RedisError) as exc:
+            raise StoreError(f"cannot open {url}: {exc}") from exc
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except self._errors as exc:
+            raise StoreError(f"redis {what} failed on {self.url}: {exc}") from exc
+
+    def get(self, key: str) -> bytes:
+        value = self._call("GET", self._redis.get, self.prefix + check_key(key))
+        if value is None:
+            raise EntryNotFoundError(f"{key!r} not in {self.url}")
+        return bytes(value)
+
+    def put(self, key: str, data: bytes) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(self.prefix + check_key(key), data)
+        pipe.zadd(self._lru, {key: time.time()})
+        self._call("SET", pipe.execute)
+
+    def delete(self, key: str) -> bool:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self.prefix + check_key(key))
+        pipe.zrem(self._lru, key)
+        return bool(self._call("DEL", pipe.execute)[0])
+
+    def exists(self, key: str) -> bool:
+        return bool(self._call("EXISTS", self._redis.exists, self.prefix + check_key(key)))
+
+    def list(self, prefix: str = "") -> list[EntryInfo]:
+        members = self._call("ZRANGE", self._redis.zrange, self._lru, 0, -1, withscores=True)
+        keys = [(m.decode(), score) for m, score in members if m.decode().startswith(prefix)]
+        pipe = self._redis.pipeline(transaction=False)
+        for key, _ in keys:
+            pipe.exists(self.prefix + key)
+            pipe.strlen(self.prefix + key)
+        replies = self._call("STRLEN", pipe.execute) if keys else []
+        # an entry deleted by another client between the two calls is skipped
+        return [EntryInfo(k, n, t) for (k, t), there, n in zip(keys, replies[::2], replies[1::2]) if there]
+
+    def touch(self, key: str) -> None:
+        self._call("ZADD", self._redis.zadd, self._lru, {check_key(key): time.time()}, xx=True)
+
+    def close(self) -> None:
+        self._redis.close()
