@@ -26,12 +26,14 @@ uint32_t group_size(uint32_t n_cells, uint32_t n_units) {
     return std::min(g, n_units);
 }
 
-// Where unit (cell, unit) of a tensor starts, relative to the tensor.
-inline size_t unit_offset(const TensorDesc & t, uint32_t cell, uint32_t unit) {
-    const size_t idx = t.transposed ? static_cast<size_t>(unit) * t.n_cells + cell
-                                    : static_cast<size_t>(cell) * t.n_units + unit;
-    return idx * t.unit_bytes;
-}
+// Unit (cell, unit) of a tensor starts at cell * cell_stride + unit * unit_stride bytes.
+struct Strides {
+    size_t cell, unit;
+    explicit Strides(const TensorDesc & t)
+        : cell(t.transposed ? t.unit_bytes : static_cast<size_t>(t.n_units) * t.unit_bytes),
+          unit(t.transposed ? static_cast<size_t>(t.n_cells) * t.unit_bytes : t.unit_bytes) {}
+    size_t at(size_t cell_index, size_t unit_index) const { return cell_index * cell + unit_index * unit; }
+};
 
 bool is_lossy(const TensorDesc & t, int32_t level) {
     return level != LCG_LEVEL_LOSSLESS && ggml_type_info(t.ggml_type)->is_float;
@@ -49,12 +51,14 @@ struct TensorPlan {
 void encode_lossless_group(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32_t gn,
                            std::vector<uint8_t> & sym, ByteWriter & w) {
     w.u8(GROUP_LOSSLESS);
+    const Strides st(t);
     const size_t n = t.n_cells;
     for (uint32_t b = 0; b < t.unit_bytes; b++) {
         uint32_t counts[256] = {0};
-        for (uint32_t i = 0; i < n; i++) {
+        for (size_t i = 0; i < n; i++) {
+            const uint8_t * row = base + i * st.cell + b;
             for (uint32_t g = 0; g < gn; g++) {
-                const uint8_t v = base[unit_offset(t, i, u0 + g) + b];
+                const uint8_t v = row[(u0 + g) * st.unit];
                 sym[i * gn + g] = v;
                 counts[v]++;
             }
@@ -66,48 +70,67 @@ void encode_lossless_group(const uint8_t * base, const TensorDesc & t, uint32_t 
     }
 }
 
+// Rounds to nearest even without a libm call: exact for |v| < 2^22.
+inline int64_t round_q(float v) {
+    if (std::fabs(v) < 4194304.0f) {
+        return static_cast<int64_t>((v + 12582912.0f) - 12582912.0f);
+    }
+    return static_cast<int64_t>(std::nearbyint(std::clamp(v, -MAX_Q, MAX_Q)));
+}
+
+struct Escape {
+    uint32_t lane;
+    uint32_t cell;
+    int64_t q;
+};
+
 // Returns false (writing nothing) when the group holds a non-finite value: it is coded losslessly.
 bool encode_lossy_group(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32_t gn, float rel_step,
                         const std::vector<uint8_t> & is_sink, std::vector<uint8_t> & sym, ByteWriter & w) {
+    const Strides st(t);
     const size_t n = t.n_cells;
+    const int32_t type = t.ggml_type;
+    double sum[MAX_GROUP] = {0}, sum_sq[MAX_GROUP] = {0};
+    uint64_t count = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (is_sink[i]) {
+            continue;
+        }
+        count++;
+        for (uint32_t g = 0; g < gn; g++) {
+            const double x = load_float(base + st.at(i, u0 + g), type);
+            sum[g] += x;
+            sum_sq[g] += x * x;
+        }
+    }
     ChannelQuant cq[MAX_GROUP];
     float mean[MAX_GROUP], inv_step[MAX_GROUP];
     for (uint32_t g = 0; g < gn; g++) {
-        double sum = 0.0, sum_sq = 0.0;
-        uint64_t count = 0;
-        for (uint32_t i = 0; i < n; i++) {
-            if (is_sink[i]) {
-                continue;
-            }
-            const double x = load_float(base + unit_offset(t, i, u0 + g), t.ggml_type);
-            if (!std::isfinite(x)) {
-                return false;
-            }
-            sum += x;
-            sum_sq += x * x;
-            count++;
+        if (!std::isfinite(sum_sq[g])) {
+            return false;  // inf / nan (or overflow) somewhere in this channel
         }
-        cq[g] = channel_quant(sum, sum_sq, count, rel_step);
+        cq[g] = channel_quant(sum[g], sum_sq[g], count, rel_step);
         mean[g] = f16_to_f32(cq[g].mean_f16);
         inv_step[g] = 1.0f / f16_to_f32(cq[g].step_f16);
     }
-    std::vector<int64_t> escapes;
+    std::vector<Escape> escapes;
     uint32_t counts[256] = {0};
-    for (uint32_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n; i++) {
+        uint8_t * out = &sym[i * gn];
+        if (is_sink[i]) {
+            std::memset(out, SYM_ZERO, gn);
+            counts[SYM_ZERO] += gn;
+            continue;
+        }
         for (uint32_t g = 0; g < gn; g++) {
-            uint8_t s = SYM_ZERO;
-            if (!is_sink[i]) {
-                const float x = load_float(base + unit_offset(t, i, u0 + g), t.ggml_type);
-                const float qf = std::clamp((x - mean[g]) * inv_step[g], -MAX_Q, MAX_Q);
-                const int64_t q = static_cast<int64_t>(std::nearbyint(qf));
-                if (q >= -Q_MAX && q <= Q_MAX) {
-                    s = static_cast<uint8_t>(q + SYM_ZERO);
-                } else {
-                    s = SYM_ESCAPE;
-                    escapes.push_back(q);
-                }
+            const float x = load_float(base + st.at(i, u0 + g), type);
+            const int64_t q = round_q((x - mean[g]) * inv_step[g]);
+            uint8_t s = static_cast<uint8_t>(q + SYM_ZERO);
+            if (q < -Q_MAX || q > Q_MAX) {
+                s = SYM_ESCAPE;
+                escapes.push_back({g, static_cast<uint32_t>(i), q});
             }
-            sym[i * gn + g] = s;
+            out[g] = s;
             counts[s]++;
         }
     }
@@ -120,33 +143,44 @@ bool encode_lossy_group(const uint8_t * base, const TensorDesc & t, uint32_t u0,
     rans::build_table(counts, table);
     rans::write_table(w, table);
     rans::encode_lanes(sym.data(), n, gn, table, w);
+    // Escapes are stored lane by lane, each lane's in cell order.
+    std::stable_sort(escapes.begin(), escapes.end(), [](const Escape & a, const Escape & b) { return a.lane < b.lane; });
     w.varint(escapes.size());
-    for (int64_t q : escapes) {
-        w.varint(zigzag_encode(q));
+    for (const Escape & e : escapes) {
+        w.varint(zigzag_encode(e.q));
     }
     return true;
 }
 
 // ---- decoding ----------------------------------------------------------------------------------
 
-void decode_lossless_group(ByteReader & r, const TensorDesc & t, uint32_t u0, uint32_t gn,
-                           std::vector<uint8_t> & sym, uint8_t * base) {
-    const size_t n = t.n_cells;
+void decode_lossless_group(ByteReader & r, const TensorDesc & t, uint32_t u0, uint32_t gn, uint8_t * base) {
+    const Strides st(t);
     for (uint32_t b = 0; b < t.unit_bytes; b++) {
         rans::Table table;
         rans::read_table(r, table);
-        rans::decode_lanes(r, table, n, gn, sym.data());
-        for (uint32_t i = 0; i < n; i++) {
-            for (uint32_t g = 0; g < gn; g++) {
-                base[unit_offset(t, i, u0 + g) + b] = sym[i * gn + g];
-            }
-        }
+        uint8_t * first = base + u0 * st.unit + b;
+        rans::decode_lanes(r, table, t.n_cells, gn, [&](size_t i, uint32_t j, uint8_t s) {
+            first[i * st.cell + j * st.unit] = s;
+        });
     }
 }
 
-void decode_lossy_group(ByteReader & r, const TensorDesc & t, uint32_t u0, uint32_t gn,
-                        std::vector<uint8_t> & sym, uint8_t * base) {
-    const size_t n = t.n_cells;
+template <uint32_t UNIT_BYTES>
+void decode_lossy_values(ByteReader & r, const rans::Table & table, const TensorDesc & t, uint32_t u0, uint32_t gn,
+                         const DequantTable * lut, uint8_t * base, std::vector<Escape> & escapes) {
+    const Strides st(t);
+    uint8_t * first = base + u0 * st.unit;
+    rans::decode_lanes(r, table, t.n_cells, gn, [&](size_t i, uint32_t j, uint8_t s) {
+        uint8_t * p = first + i * st.cell + j * st.unit;
+        std::memcpy(p, &lut[j].value[s], UNIT_BYTES);
+        if (s == SYM_ESCAPE) {
+            escapes.push_back({j, static_cast<uint32_t>(i), 0});
+        }
+    });
+}
+
+void decode_lossy_group(ByteReader & r, const TensorDesc & t, uint32_t u0, uint32_t gn, uint8_t * base) {
     ChannelQuant cq[MAX_GROUP];
     DequantTable lut[MAX_GROUP];
     for (uint32_t g = 0; g < gn; g++) {
@@ -156,30 +190,22 @@ void decode_lossy_group(ByteReader & r, const TensorDesc & t, uint32_t u0, uint3
     }
     rans::Table table;
     rans::read_table(r, table);
-    rans::decode_lanes(r, table, n, gn, sym.data());
-    const uint64_t n_escapes = r.varint();
-    LCG_CHECK(n_escapes <= n * gn, LCG_ERR_CORRUPT, "group declares %llu escapes for %zu values",
-              (unsigned long long) n_escapes, n * gn);
-    uint64_t seen = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        for (uint32_t g = 0; g < gn; g++) {
-            uint8_t * p = base + unit_offset(t, i, u0 + g);
-            const uint8_t s = sym[i * gn + g];
-            if (s != SYM_ESCAPE) {
-                std::memcpy(p, &lut[g].value[s], t.unit_bytes);
-                continue;
-            }
-            LCG_CHECK(seen < n_escapes, LCG_ERR_CORRUPT, "more escaped values than the %llu declared",
-                      (unsigned long long) n_escapes);
-            seen++;
-            const int64_t q = zigzag_decode(r.varint());
-            LCG_CHECK(q >= -MAX_ESCAPE_Q && q <= MAX_ESCAPE_Q, LCG_ERR_CORRUPT, "escaped value %lld",
-                      (long long) q);
-            store_float(p, t.ggml_type, dequant_value(cq[g], q));
-        }
+    std::vector<Escape> escapes;
+    if (t.unit_bytes == 2) {
+        decode_lossy_values<2>(r, table, t, u0, gn, lut, base, escapes);
+    } else {
+        decode_lossy_values<4>(r, table, t, u0, gn, lut, base, escapes);
     }
-    LCG_CHECK(seen == n_escapes, LCG_ERR_CORRUPT, "%llu escapes declared, %llu used", (unsigned long long) n_escapes,
-              (unsigned long long) seen);
+    const uint64_t n_escapes = r.varint();
+    LCG_CHECK(n_escapes == escapes.size(), LCG_ERR_CORRUPT, "group declares %llu escapes, its symbols %zu",
+              (unsigned long long) n_escapes, escapes.size());
+    std::stable_sort(escapes.begin(), escapes.end(), [](const Escape & a, const Escape & b) { return a.lane < b.lane; });
+    const Strides st(t);
+    for (const Escape & e : escapes) {
+        const int64_t q = zigzag_decode(r.varint());
+        LCG_CHECK(q >= -MAX_ESCAPE_Q && q <= MAX_ESCAPE_Q, LCG_ERR_CORRUPT, "escaped value %lld", (long long) q);
+        store_float(base + st.at(e.cell, u0 + e.lane), t.ggml_type, dequant_value(cq[e.lane], q));
+    }
 }
 
 // ---- layout ------------------------------------------------------------------------------------
@@ -371,9 +397,10 @@ uint8_t * encode_state(const uint8_t * state, size_t size, const EncodeOptions &
         for (uint32_t c : p.sink_cells) {
             w.u32(c);
         }
+        const Strides st(t);
         for (uint32_t c : p.sink_cells) {
             for (uint32_t u = 0; u < t.n_units; u++) {
-                w.put(state + t.offset + unit_offset(t, c, u), t.unit_bytes);
+                w.put(state + t.offset + st.at(c, u), t.unit_bytes);
             }
         }
         w.u32(p.n_groups);
@@ -483,21 +510,21 @@ size_t decode_container(const uint8_t * data, size_t size, int32_t n_threads, ui
         const TensorDesc & t = L.tensors[job.tensor];
         uint8_t * base = dst + t.offset;
         ByteReader r(job.bytes, job.size, LCG_ERR_CORRUPT, "coded group");
-        std::vector<uint8_t> sym(static_cast<size_t>(t.n_cells) * job.gn);
         const uint8_t mode = r.u8();
         if (mode == GROUP_LOSSY) {
             LCG_CHECK(ggml_type_info(t.ggml_type)->is_float, LCG_ERR_CORRUPT, "lossy group in a quantized tensor");
-            decode_lossy_group(r, t, job.u0, job.gn, sym, base);
+            decode_lossy_group(r, t, job.u0, job.gn, base);
         } else {
             LCG_CHECK(mode == GROUP_LOSSLESS, LCG_ERR_CORRUPT, "group coding mode %u", mode);
-            decode_lossless_group(r, t, job.u0, job.gn, sym, base);
+            decode_lossless_group(r, t, job.u0, job.gn, base);
         }
         LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "%zu stray bytes after a group", r.remaining());
         const TensorSinks & ts = sinks[job.tensor];
+        const Strides st(t);
         for (size_t k = 0; k < ts.cells.size(); k++) {
             for (uint32_t g = 0; g < job.gn; g++) {
                 const size_t raw = (k * t.n_units + job.u0 + g) * t.unit_bytes;
-                std::memcpy(base + unit_offset(t, ts.cells[k], job.u0 + g), ts.raw + raw, t.unit_bytes);
+                std::memcpy(base + st.at(ts.cells[k], job.u0 + g), ts.raw + raw, t.unit_bytes);
             }
         }
     });

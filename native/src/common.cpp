@@ -114,7 +114,7 @@ uint32_t crc32c(const void * data, size_t size, uint32_t crc) {
 
 // ---- half floats -----------------------------------------------------------------------------
 
-float f16_to_f32(uint16_t h) {
+static float f16_to_f32_exact(uint16_t h) {
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
     const uint32_t exp = (h >> 10) & 0x1f;
     const uint32_t mant = h & 0x3ff;
@@ -134,6 +134,16 @@ float f16_to_f32(uint16_t h) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+
+static const float * build_f16_table() {
+    static float table[65536];
+    for (uint32_t h = 0; h < 65536; h++) {
+        table[h] = f16_to_f32_exact(static_cast<uint16_t>(h));
+    }
+    return table;
+}
+
+const float * const f16_table = build_f16_table();
 
 // Round to nearest even, with overflow to infinity and gradual underflow (as F16C does).
 uint16_t f32_to_f16(float f) {

@@ -90,8 +90,9 @@ inline int64_t zigzag_decode(uint64_t v) { return static_cast<int64_t>(v >> 1) ^
 // CRC32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
 uint32_t crc32c(const void * data, size_t size, uint32_t crc = 0);
 
-// IEEE half and bfloat16 <-> float.
-float    f16_to_f32(uint16_t h);
+// IEEE half and bfloat16 <-> float. f16 -> f32 is a lookup in a table built when the library loads.
+extern const float * const f16_table;
+inline float f16_to_f32(uint16_t h) { return f16_table[h]; }
 uint16_t f32_to_f16(float f);
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = static_cast<uint32_t>(h) << 16;

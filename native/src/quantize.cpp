@@ -6,10 +6,6 @@ namespace lcg {
 
 namespace {
 
-constexpr int32_t GGML_F32 = 0;
-constexpr int32_t GGML_F16 = 1;
-constexpr int32_t GGML_BF16 = 30;
-
 constexpr float MIN_STEP = 6.103515625e-05f;  // smallest normal f16
 
 } // namespace
@@ -43,17 +39,6 @@ ChannelQuant channel_quant(double sum, double sum_sq, uint64_t count, float rel_
     cq.mean_f16 = f32_to_f16(std::isfinite(mean) ? static_cast<float>(mean) : 0.0f);
     cq.step_f16 = f32_to_f16(std::min(step, 65504.0f));
     return cq;
-}
-
-float load_float(const uint8_t * p, int32_t ggml_type) {
-    if (ggml_type == GGML_F32) {
-        float v;
-        std::memcpy(&v, p, 4);
-        return v;
-    }
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    return ggml_type == GGML_F16 ? f16_to_f32(h) : bf16_to_f32(h);
 }
 
 void store_float(uint8_t * p, int32_t ggml_type, float v) {

@@ -34,8 +34,21 @@ struct ChannelQuant {
 // Picks mean and step (rel_step x standard deviation) from a channel's samples.
 ChannelQuant channel_quant(double sum, double sum_sq, uint64_t count, float rel_step);
 
+constexpr int32_t GGML_F32 = 0;
+constexpr int32_t GGML_F16 = 1;
+constexpr int32_t GGML_BF16 = 30;
+
 // Reads / writes one float element of ggml type f32, f16 or bf16.
-float load_float(const uint8_t * p, int32_t ggml_type);
+inline float load_float(const uint8_t * p, int32_t ggml_type) {
+    if (ggml_type == GGML_F32) {
+        float v;
+        std::memcpy(&v, p, 4);
+        return v;
+    }
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return ggml_type == GGML_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
 void store_float(uint8_t * p, int32_t ggml_type, float v);
 
 // Dequantization table of one channel: the element bytes (2 or 4) of every symbol but the escape.

@@ -36,7 +36,8 @@ EncSymbol enc_symbol(uint32_t cum, uint32_t freq) {
     return s;
 }
 
-// Decoder slot entry: symbol (8 bits) | freq (12 bits) | slot - cum (12 bits).
+} // namespace
+
 void build_decode_slots(const Table & t, uint32_t * slots) {
     for (uint32_t s = t.first; s <= t.last; s++) {
         for (uint32_t k = 0; k < t.freq[s]; k++) {
@@ -45,7 +46,6 @@ void build_decode_slots(const Table & t, uint32_t * slots) {
     }
 }
 
-} // namespace
 
 void build_table(const uint32_t counts[256], Table & t) {
     uint64_t total = 0;
@@ -165,19 +165,8 @@ void encode_lanes(const uint8_t * symbols, size_t n, uint32_t n_lanes, const Tab
     }
 }
 
-void decode_lanes(ByteReader & r, const Table & t, size_t n, uint32_t n_lanes, uint8_t * symbols) {
-    if (t.constant() || n == 0) {
-        std::memset(symbols, static_cast<int>(t.first), n * n_lanes);
-        return;
-    }
-    LCG_CHECK(n_lanes >= 1 && n_lanes <= 256, LCG_ERR_CORRUPT, "%u lanes", n_lanes);
-    uint32_t slots[PROB_SCALE];
-    build_decode_slots(t, slots);
-
-    const uint8_t * ptr[256];
-    const uint8_t * end[256];
-    uint32_t x[256];
-    size_t lane_bytes[256];
+void open_lanes(ByteReader & r, uint32_t n_lanes, LaneCursor * lanes) {
+    size_t lane_bytes[MAX_LANES];
     for (uint32_t j = 0; j < n_lanes; j++) {
         lane_bytes[j] = r.varint();
         LCG_CHECK(lane_bytes[j] >= 4 && lane_bytes[j] % 2 == 0, LCG_ERR_CORRUPT, "lane %u has %zu bytes", j,
@@ -185,33 +174,23 @@ void decode_lanes(ByteReader & r, const Table & t, size_t n, uint32_t n_lanes, u
     }
     for (uint32_t j = 0; j < n_lanes; j++) {
         const uint8_t * p = r.take(lane_bytes[j]);
-        std::memcpy(&x[j], p, 4);
-        ptr[j] = p + 4;
-        end[j] = p + lane_bytes[j];
-        LCG_CHECK(x[j] >= STATE_LOW && x[j] < (STATE_LOW << 16), LCG_ERR_CORRUPT, "lane %u starts in state %u", j, x[j]);
+        std::memcpy(&lanes[j].x, p, 4);
+        lanes[j].ptr = p + 4;
+        lanes[j].end = p + lane_bytes[j];
+        LCG_CHECK(lanes[j].x >= STATE_LOW && lanes[j].x < (STATE_LOW << 16), LCG_ERR_CORRUPT,
+                  "lane %u starts in state %u", j, lanes[j].x);
     }
-    const uint32_t mask = PROB_SCALE - 1;
-    for (size_t i = 0; i < n; i++) {
-        uint8_t * out = symbols + i * n_lanes;
-        for (uint32_t j = 0; j < n_lanes; j++) {
-            uint32_t xj = x[j];
-            const uint32_t e = slots[xj & mask];
-            out[j] = static_cast<uint8_t>(e);
-            xj = ((e >> 8) & 0xfff) * (xj >> PROB_BITS) + (e >> 20);
-            if (xj < STATE_LOW) {
-                LCG_CHECK(ptr[j] < end[j], LCG_ERR_CORRUPT, "lane %u runs past its %zu bytes", j, lane_bytes[j]);
-                uint16_t word;
-                std::memcpy(&word, ptr[j], 2);
-                ptr[j] += 2;
-                xj = (xj << 16) | word;
-            }
-            x[j] = xj;
-        }
-    }
+}
+
+void close_lanes(const LaneCursor * lanes, uint32_t n_lanes) {
     for (uint32_t j = 0; j < n_lanes; j++) {
-        LCG_CHECK(ptr[j] == end[j] && x[j] == STATE_LOW, LCG_ERR_CORRUPT,
+        LCG_CHECK(lanes[j].ptr == lanes[j].end && lanes[j].x == STATE_LOW, LCG_ERR_CORRUPT,
                   "lane %u does not end where its bytes do (corrupt stream)", j);
     }
+}
+
+void lane_overrun(uint32_t lane) {
+    fail(LCG_ERR_CORRUPT, "lane %u runs past its bytes (corrupt stream)", lane);
 }
 
 } // namespace lcg::rans

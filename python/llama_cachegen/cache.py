@@ -143,7 +143,9 @@ class CompressedStateCache(BaseLlamaCache):
         input_ids = np.zeros(n_ctx, dtype=np.intc)
         n = meta.tokens.size
         input_ids[:n] = meta.tokens
-        n_vocab = int(meta.fingerprint.get("n_vocab", 0)) or (meta.logits.size if meta.logits is not None else 1)
+        n_vocab = int(meta.fingerprint.get("n_vocab", 0)) or (
+            meta.logits.size if meta.logits is not None else 1
+        )
         # llama-cpp-python broadcasts this one row over the restored rows; only the last one is real
         scores = (meta.logits if meta.logits is not None else np.zeros(n_vocab, np.single))[None, :]
         return llama_cpp.llama.LlamaState(

@@ -38,7 +38,9 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 def _text(name_or_path: str) -> str:
     from .model import TEXTS, sample_text
 
-    return sample_text(name_or_path) if name_or_path in TEXTS else Path(name_or_path).read_text(encoding="utf-8")
+    return (
+        sample_text(name_or_path) if name_or_path in TEXTS else Path(name_or_path).read_text(encoding="utf-8")
+    )
 
 
 def _model(path: str | None) -> str:
@@ -55,8 +57,12 @@ def _prefill(llm: Any, tokens: list[int]) -> float:
     start = time.perf_counter()
     for i in range(0, len(tokens), llm.n_batch):
         llm.eval(tokens[i : i + llm.n_batch])
-        print(f"\r  prefill {min(i + llm.n_batch, len(tokens))}/{len(tokens)} tokens", end="", file=sys.stderr,
-              flush=True)
+        print(
+            f"\r  prefill {min(i + llm.n_batch, len(tokens))}/{len(tokens)} tokens",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
     print(file=sys.stderr)
     return time.perf_counter() - start
 
@@ -87,8 +93,11 @@ def _demo_worker(args: argparse.Namespace) -> int:
         result.update(tokens=len(tokens), state_bytes=info["state_size"], compressed_bytes=len(blob))
     else:
         report = load_compressed_state(llm, args.object, threads=args.threads)
-        result.update(load_s=(report.read_ms + report.decode_ms + report.restore_ms) / 1e3,
-                      decode_ms=report.decode_ms, tokens=report.tokens)
+        result.update(
+            load_s=(report.read_ms + report.decode_ms + report.restore_ms) / 1e3,
+            decode_ms=report.decode_ms,
+            tokens=report.tokens,
+        )
         tokens = llm.input_ids[: llm.n_tokens].tolist()
     result["answer"], result["evaluated"] = _answer(llm, tokens + question, args.max_tokens)
     print(json.dumps(result))
@@ -101,16 +110,35 @@ def _demo(args: argparse.Namespace) -> int:
     model = _model(args.model)
     store = args.store or (cache_dir() / "demo-store").as_uri()
     obj = f"{store.rstrip('/')}/demo-{args.level}.lcg"
-    common = ["--model", model, "--text", args.text, "--tokens", str(args.tokens), "--n-ctx", str(args.n_ctx),
-              "--level", args.level, "--threads", str(args.threads), "--object", obj,
-              "--max-tokens", str(args.max_tokens)]
+    common = [
+        "--model",
+        model,
+        "--text",
+        args.text,
+        "--tokens",
+        str(args.tokens),
+        "--n-ctx",
+        str(args.n_ctx),
+        "--level",
+        args.level,
+        "--threads",
+        str(args.threads),
+        "--object",
+        obj,
+        "--max-tokens",
+        str(args.max_tokens),
+    ]
     runs = {}
-    for step, role, what in ((1, "prefill", f"prefill {args.tokens} tokens of {args.text}, save compressed"),
-                             (2, "load", "load the compressed state, answer")):
+    for step, role, what in (
+        (1, "prefill", f"prefill {args.tokens} tokens of {args.text}, save compressed"),
+        (2, "load", "load the compressed state, answer"),
+    ):
         _progress(f"[{step}/2] process {step}: {what}")
         proc = subprocess.run(
             [sys.executable, "-m", "llama_cachegen", "_demo-worker", "--role", role, *common],
-            stdout=subprocess.PIPE, text=True, check=False,
+            stdout=subprocess.PIPE,
+            text=True,
+            check=False,
         )
         if proc.returncode:
             _progress(f"process {step} failed (exit {proc.returncode})")
@@ -141,12 +169,18 @@ def _demo(args: argparse.Namespace) -> int:
         (f"compressed ({args.level})", _size(first["compressed_bytes"])),
         ("ratio", f"{summary['ratio']:.2f}x"),
         ("prefill (process 1)", f"{first['prefill_s']:.2f} s"),
-        ("load (process 2)", f"{second['load_s']:.3f} s  ({first['prefill_s'] / max(second['load_s'], 1e-9):.0f}x faster)"),
+        (
+            "load (process 2)",
+            f"{second['load_s']:.3f} s  ({first['prefill_s'] / max(second['load_s'], 1e-9):.0f}x faster)",
+        ),
         ("tokens evaluated after load", f"{second['evaluated']} (the question only)"),
         ("answer matches uncompressed", "yes" if match else "no"),
     ]
     print(_table(rows))
-    print(f"\nuncompressed answer: {first['answer'].strip()!r}\nrestored answer:     {second['answer'].strip()!r}")
+    print(
+        f"\nuncompressed answer: {first['answer'].strip()!r}"
+        f"\nrestored answer:     {second['answer'].strip()!r}"
+    )
     return 0
 
 
@@ -159,13 +193,22 @@ def _compress(args: argparse.Namespace) -> int:
     blob = codec.encode(data, args.level, kind=args.kind, threads=args.threads)
     seconds = time.perf_counter() - start
     write_url(args.output, blob)
-    result = {"input": str(args.input), "output": str(args.output), "state_bytes": len(data),
-              "compressed_bytes": len(blob), "ratio": len(data) / len(blob), "level": args.level, "seconds": seconds}
+    result = {
+        "input": str(args.input),
+        "output": str(args.output),
+        "state_bytes": len(data),
+        "compressed_bytes": len(blob),
+        "ratio": len(data) / len(blob),
+        "level": args.level,
+        "seconds": seconds,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{args.input} -> {args.output}: {_size(len(data))} -> {_size(len(blob))} "
-              f"({result['ratio']:.2f}x, {args.level}) in {seconds:.2f} s")
+        print(
+            f"{args.input} -> {args.output}: {_size(len(data))} -> {_size(len(blob))} "
+            f"({result['ratio']:.2f}x, {args.level}) in {seconds:.2f} s"
+        )
     return 0
 
 
@@ -175,8 +218,13 @@ def _decompress(args: argparse.Namespace) -> int:
     data = codec.decode(blob, threads=args.threads)
     seconds = time.perf_counter() - start
     write_url(args.output, data)
-    result = {"input": str(args.input), "output": str(args.output), "compressed_bytes": len(blob),
-              "state_bytes": len(data), "seconds": seconds}
+    result = {
+        "input": str(args.input),
+        "output": str(args.output),
+        "compressed_bytes": len(blob),
+        "state_bytes": len(data),
+        "seconds": seconds,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -194,8 +242,14 @@ def _envelope(blob: bytes) -> dict[str, Any] | None:
         meta = StateMeta.unpack(codec.user_meta(blob))
     except CacheGenError:
         return None
-    return {"scope": meta.scope, "seq_id": meta.seq_id, "n_ctx": meta.n_ctx, "tokens": int(meta.tokens.size),
-            "last_logits": meta.logits is not None, "fingerprint": meta.fingerprint}
+    return {
+        "scope": meta.scope,
+        "seq_id": meta.seq_id,
+        "n_ctx": meta.n_ctx,
+        "tokens": int(meta.tokens.size),
+        "last_logits": meta.logits is not None,
+        "fingerprint": meta.fingerprint,
+    }
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -248,27 +302,59 @@ def _eval(args: argparse.Namespace) -> int:
         encode_s = time.perf_counter() - start
         restored = codec.decode(blob, threads=args.threads)
         metrics = compare_logits(ref, continuation_logits(llm, restored, prefix, cont), cont)
-        rows.append({"method": f"llama-cachegen {level}", "bytes": len(blob), "ratio": len(state) / len(blob),
-                     "encode_s": encode_s, **metrics})
+        rows.append(
+            {
+                "method": f"llama-cachegen {level}",
+                "bytes": len(blob),
+                "ratio": len(state) / len(blob),
+                "encode_s": encode_s,
+                **metrics,
+            }
+        )
     for name in args.cache_types:
         _progress(f"llama.cpp cache type {name}")
         # llama.cpp quantizes the V cache only with flash attention
-        qllm = make_llama(model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True, type_k=name, type_v=name)
+        qllm = make_llama(
+            model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True, type_k=name, type_v=name
+        )
         qstate = state_of(qllm, prefix)
         metrics = compare_logits(ref, continuation_logits(qllm, qstate, prefix, cont), cont)
         qllm.close()
-        rows.append({"method": f"llama.cpp {name}", "bytes": len(qstate), "ratio": len(state) / len(qstate),
-                     **metrics})
-    result = {"model": model, "text": args.text, "tokens": len(prefix), "cont": len(cont),
-              "state_bytes": len(state), "rows": rows}
+        rows.append(
+            {
+                "method": f"llama.cpp {name}",
+                "bytes": len(qstate),
+                "ratio": len(state) / len(qstate),
+                **metrics,
+            }
+        )
+    result = {
+        "model": model,
+        "text": args.text,
+        "tokens": len(prefix),
+        "cont": len(cont),
+        "state_bytes": len(state),
+        "rows": rows,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{len(prefix)} tokens of {args.text}, f16 state {_size(len(state))}; quality over the next {len(cont)} "
-          "tokens vs the f16 state")
+    print(
+        f"{len(prefix)} tokens of {args.text}, f16 state {_size(len(state))}; "
+        f"quality over the next {len(cont)} tokens vs the f16 state"
+    )
     table = [("method", "size", "ratio", "KL", "top-1", "Δppl")]
-    table += [(r["method"], _size(r["bytes"]), f"{r['ratio']:.2f}x", f"{r['kl']:.4f}", f"{r['top1']:.3f}",
-               f"{r['dppl']:+.4f}") for r in rows]
+    table += [
+        (
+            r["method"],
+            _size(r["bytes"]),
+            f"{r['ratio']:.2f}x",
+            f"{r['kl']:.4f}",
+            f"{r['top1']:.3f}",
+            f"{r['dppl']:+.4f}",
+        )
+        for r in rows
+    ]
     print(_table(table))
     return 0
 
@@ -286,12 +372,18 @@ def _serve(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-cachegen", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    threads = {"type": int, "default": min(os.cpu_count() or 1, 8), "help": "CPU threads (default: %(default)s)"}
+    threads = {
+        "type": int,
+        "default": min(os.cpu_count() or 1, 8),
+        "help": "CPU threads (default: %(default)s)",
+    }
     levels = list(codec.LEVELS)
 
     def llama_args(p: argparse.ArgumentParser, tokens: int) -> None:
         p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
-        p.add_argument("--text", default="gpl-3.0.txt", help="a text file or a bundled text (default: %(default)s)")
+        p.add_argument(
+            "--text", default="gpl-3.0.txt", help="a text file or a bundled text (default: %(default)s)"
+        )
         p.add_argument("--tokens", type=int, default=tokens, help="context tokens (default: %(default)s)")
         p.add_argument("--threads", **threads)
 
@@ -300,7 +392,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--level", choices=levels, default="balanced")
     p.add_argument("--store", help="store URL for the state (default: a folder in the cache directory)")
-    p.add_argument("--max-tokens", type=int, default=24, help="answer length")
+    p.add_argument("--max-tokens", type=int, default=10, help="answer length in tokens")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_demo)
 

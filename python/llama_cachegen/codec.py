@@ -95,14 +95,17 @@ def decoded_size(blob: Buffer) -> int:
     return int(size[0])
 
 
-def decode(blob: Buffer, *, threads: int | None = None) -> bytes:
-    """Decompresses a container back into llama.cpp state bytes; verifies every checksum."""
+def decode(blob: Buffer, *, threads: int | None = None) -> bytearray:
+    """Decompresses a container back into llama.cpp state bytes; verifies every checksum.
+
+    Returns a bytearray (no extra copy; writable, so ctypes can wrap it without copying too).
+    """
     src = _view(blob)
     size = decoded_size(src)
     dst = bytearray(size)
     written = ffi.new("size_t *")
     check(lib.lcg_decode(src, len(src), _threads(threads), ffi.from_buffer(dst), size, written))
-    return bytes(dst) if written[0] == size else bytes(dst[: written[0]])
+    return dst
 
 
 def _info_dict(info: Any) -> dict[str, Any]:

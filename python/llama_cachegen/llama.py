@@ -85,7 +85,12 @@ class StateMeta:
             },
             sort_keys=True,
         ).encode()
-        return _PREFIX.pack(ENVELOPE_MAGIC, ENVELOPE_VERSION, len(header)) + header + tokens.tobytes() + logits.tobytes()
+        return (
+            _PREFIX.pack(ENVELOPE_MAGIC, ENVELOPE_VERSION, len(header))
+            + header
+            + tokens.tobytes()
+            + logits.tobytes()
+        )
 
     @classmethod
     def unpack(cls, data: bytes) -> StateMeta:
@@ -154,8 +159,14 @@ def _model_hash(llm: llama_cpp.Llama) -> str:
         return _hash_cache[cache_key]
     h = hashlib.sha256()
     h.update(json.dumps(llm.metadata, sort_keys=True, default=str).encode())
-    h.update(struct.pack("<QQQ", llama_cpp.llama_model_size(llm.model), llama_cpp.llama_model_n_params(llm.model),
-                         st.st_size))
+    h.update(
+        struct.pack(
+            "<QQQ",
+            llama_cpp.llama_model_size(llm.model),
+            llama_cpp.llama_model_n_params(llm.model),
+            st.st_size,
+        )
+    )
     block = 64 << 10
     with open(path, "rb") as f:
         for i in range(16):
@@ -191,8 +202,11 @@ def fingerprint_key(fingerprint: dict[str, Any]) -> str:
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raises ModelMismatchError naming every field that differs."""
-    diffs = [f"{k}: saved {saved.get(k)!r}, this context {current.get(k)!r}" for k in FINGERPRINT_FIELDS
-             if saved.get(k) != current.get(k)]
+    diffs = [
+        f"{k}: saved {saved.get(k)!r}, this context {current.get(k)!r}"
+        for k in FINGERPRINT_FIELDS
+        if saved.get(k) != current.get(k)
+    ]
     if diffs:
         raise ModelMismatchError("state does not fit this model/context: " + "; ".join(diffs))
 
@@ -213,8 +227,12 @@ def _capture(llm: llama_cpp.Llama, seq_id: int | None) -> bytes:
     return ctypes.string_at(buf, n)
 
 
-def _restore(llm: llama_cpp.Llama, state: bytes, seq_id: int | None) -> bool:
-    src = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))  # read-only, no copy
+def _restore(llm: llama_cpp.Llama, state: bytes | bytearray, seq_id: int | None) -> bool:
+    # no copy either way: point at the bytes object's storage, or wrap the writable buffer
+    if isinstance(state, bytes):
+        src = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
+    else:
+        src = (ctypes.c_uint8 * len(state)).from_buffer(state)
     if seq_id is None:
         n = llama_cpp.llama_state_set_data(llm.ctx, src, len(state))
     else:
@@ -364,8 +382,9 @@ class Llama(llama_cpp.Llama):
         self.context_params.kv_unified = True  # one stream: states stay loadable into 1-sequence contexts
         self._ctx.close()
         self._ctx = self._stack.enter_context(
-            contextlib.closing(_internals.LlamaContext(model=self._model, params=self.context_params,
-                                                       verbose=self.verbose))
+            contextlib.closing(
+                _internals.LlamaContext(model=self._model, params=self.context_params, verbose=self.verbose)
+            )
         )
 
     def save_compressed_state(

@@ -8,6 +8,7 @@ and `sweep` removes once stale.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import urllib.parse
@@ -101,10 +102,8 @@ class FileStore(Store):
         return entries
 
     def touch(self, key: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.utime(self._path(key))
-        except FileNotFoundError:
-            pass
 
     def sweep(self, max_age_s: float = 3600.0) -> int:
         """Removes temporaries left by writers that died more than `max_age_s` ago; returns how many."""

@@ -8,6 +8,7 @@ atomically, `HEAD /key` answers 200 with Content-Length or 404, `DELETE /key` re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import urllib.error
@@ -96,8 +97,13 @@ class _Handler(BaseHTTPRequestHandler):
         key = path.strip("/")
         return key, path.endswith("/")
 
-    def _reply(self, status: HTTPStatus, body: bytes = b"", content_type: str = "application/octet-stream",
-               length: int | None = None) -> None:
+    def _reply(
+        self,
+        status: HTTPStatus,
+        body: bytes = b"",
+        content_type: str = "application/octet-stream",
+        length: int | None = None,
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body) if length is None else length))
@@ -125,7 +131,9 @@ class _Handler(BaseHTTPRequestHandler):
                 if key:
                     check_key(key)
                 entries = store.list(f"{key}/" if key else "")
-                body = json.dumps([{"key": e.key, "size": e.size, "mtime": e.mtime} for e in entries]).encode()
+                body = json.dumps(
+                    [{"key": e.key, "size": e.size, "mtime": e.mtime} for e in entries]
+                ).encode()
                 self._reply(HTTPStatus.OK, body, "application/json")
                 return
             data = store.get(key)
@@ -191,8 +199,9 @@ class _StoreServer(ThreadingHTTPServer):
         self.verbose = verbose
 
 
-def make_server(directory: str | Path, host: str = "127.0.0.1", port: int = 0, *,
-                verbose: bool = False) -> ThreadingHTTPServer:
+def make_server(
+    directory: str | Path, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False
+) -> ThreadingHTTPServer:
     """An HTTP store server over `directory`; port 0 picks a free port (see `server_address`)."""
     return _StoreServer((host, port), FileStore(directory), verbose)
 
@@ -201,9 +210,10 @@ def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8080, *, v
     """Serves `directory` until interrupted; prints the URL once listening."""
     with make_server(directory, host, port, verbose=verbose) as server:
         bound_host, bound_port = server.server_address[:2]
-        print(f"llama-cachegen: serving {Path(directory).resolve()} at http://{bound_host}:{bound_port}/",
-              file=sys.stderr, flush=True)
-        try:
+        print(
+            f"llama-cachegen: serving {Path(directory).resolve()} at http://{bound_host}:{bound_port}/",
+            file=sys.stderr,
+            flush=True,
+        )
+        with contextlib.suppress(KeyboardInterrupt):
             server.serve_forever()
-        except KeyboardInterrupt:
-            pass

@@ -20,7 +20,9 @@ class RedisStore(Store):
         try:
             import redis
         except ImportError as exc:
-            raise StoreError("redis:// stores need the redis package: pip install 'llama-cachegen[redis]'") from exc
+            raise StoreError(
+                "redis:// stores need the redis package: pip install 'llama-cachegen[redis]'"
+            ) from exc
         parts = urllib.parse.urlsplit(url)
         query = urllib.parse.parse_qs(parts.query)
         self.prefix = query.pop("prefix", ["lcg:"])[0]
@@ -69,7 +71,11 @@ class RedisStore(Store):
             pipe.strlen(self.prefix + key)
         replies = self._call("STRLEN", pipe.execute) if keys else []
         # an entry deleted by another client between the two calls is skipped
-        return [EntryInfo(k, n, t) for (k, t), there, n in zip(keys, replies[::2], replies[1::2]) if there]
+        return [
+            EntryInfo(k, n, t)
+            for (k, t), there, n in zip(keys, replies[::2], replies[1::2], strict=False)
+            if there
+        ]
 
     def touch(self, key: str) -> None:
         self._call("ZADD", self._redis.zadd, self._lru, {check_key(key): time.time()}, xx=True)

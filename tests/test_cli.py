@@ -1,0 +1,120 @@
+"""The `llama-cachegen` command line, run as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp
+import pytest
+from llama_cachegen.cli import DEMO_QUESTION
+from llama_cachegen.llama import Llama
+from llama_cachegen.model import default_model_path
+
+
+def _cli(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "llama_cachegen", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def slot_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A llama-server slot file: llama_state_seq_save_file of a real context."""
+    path = tmp_path_factory.mktemp("slot") / "slot0.bin"
+    llm = Llama(str(default_model_path()), n_ctx=512, n_threads=2, verbose=False)
+    tokens = llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 6)
+    llm.eval(tokens)
+    array = (llama_cpp.llama_token * len(tokens))(*tokens)
+    assert llama_cpp.llama_state_seq_save_file(llm.ctx, str(path).encode(), 0, array, len(tokens)) > 0
+    llm.save_compressed_state(path.with_name("saved.lcg"), level="high")
+    return path
+
+
+def test_compress_decompress_inspect_slot_file(slot_file: Path, tmp_path: Path) -> None:
+    packed, unpacked = tmp_path / "slot.lcg", tmp_path / "slot.bin"
+    result = json.loads(_cli("compress", slot_file, packed, "--level", "lossless", "--json").stdout)
+    assert result["compressed_bytes"] == packed.stat().st_size and result["ratio"] > 0
+    assert "->" in _cli("decompress", packed, unpacked).stdout
+    assert unpacked.read_bytes() == slot_file.read_bytes()
+    info = json.loads(_cli("inspect", packed, "--json").stdout)
+    assert (
+        info["type"] == "llama-cachegen container"
+        and info["kind"] == "seq_file"
+        and info["level"] == "lossless"
+    )
+    raw = json.loads(_cli("inspect", slot_file, "--json").stdout)
+    assert raw["type"] == "llama.cpp state" and raw["kind"] == "seq_file" and raw["cells"] == info["cells"]
+    text = _cli("inspect", slot_file.as_uri()).stdout
+    assert text.startswith(f"{slot_file.as_uri()}: llama.cpp state") and "cells:" in text
+
+
+def test_inspect_shows_the_llama_cpp_python_envelope(slot_file: Path) -> None:
+    info = json.loads(_cli("inspect", slot_file.with_name("saved.lcg"), "--json").stdout)
+    envelope = info["llama_cpp_python"]
+    assert envelope["scope"] == "all" and envelope["tokens"] == info["cells"]
+    assert envelope["fingerprint"]["arch"] == "llama" and envelope["fingerprint"]["type_k"] == "f16"
+    assert "fingerprint:" in _cli("inspect", slot_file.with_name("saved.lcg")).stdout
+
+
+def test_errors_are_reported_not_raised(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not a state at all" * 10)
+    proc = _cli("inspect", junk, check=False)
+    assert proc.returncode == 1 and "inspect: error:" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _cli("decompress", tmp_path / "missing.lcg", tmp_path / "out", check=False)
+    assert proc.returncode == 1 and "error:" in proc.stderr
+
+
+def test_demo_answers_the_same_from_a_second_process(tmp_path: Path) -> None:
+    proc = _cli(
+        "demo",
+        "--tokens",
+        "96",
+        "--n-ctx",
+        "512",
+        "--threads",
+        "2",
+        "--max-tokens",
+        "8",
+        "--level",
+        "lossless",
+        "--store",
+        tmp_path.as_uri(),
+        "--json",
+    )
+    summary = json.loads(proc.stdout)
+    # lossless: the restored answer must match exactly (lossy levels may legitimately differ)
+    assert summary["tokens"] == 96 and summary["answer_matches"]
+    assert summary["compressed_bytes"] == (tmp_path / "demo-lossless.lcg").stat().st_size
+    llm = Llama(str(default_model_path()), n_ctx=512, verbose=False, vocab_only=True)
+    assert summary["tokens_evaluated_after_load"] == len(llm.tokenize(DEMO_QUESTION.encode(), add_bos=False))
+    assert "prefill" in proc.stderr  # progress on stderr
+
+
+def test_eval_reports_quality_per_level_and_llama_cpp_types() -> None:
+    proc = _cli(
+        "eval",
+        "--tokens",
+        "96",
+        "--cont",
+        "24",
+        "--threads",
+        "2",
+        "--levels",
+        "lossless",
+        "balanced",
+        "--cache-types",
+        "q8_0",
+        "--json",
+    )
+    rows = {r["method"]: r for r in json.loads(proc.stdout)["rows"]}
+    assert set(rows) == {"llama-cachegen lossless", "llama-cachegen balanced", "llama.cpp q8_0"}
+    assert rows["llama-cachegen lossless"]["kl"] < 1e-9 and rows["llama-cachegen lossless"]["top1"] == 1.0
+    assert rows["llama-cachegen balanced"]["ratio"] > rows["llama-cachegen lossless"]["ratio"]
+    assert 0 < rows["llama.cpp q8_0"]["kl"] < 0.1

@@ -1,0 +1,216 @@
+"""llama-cpp-python integration on the real model: save in one process, load in another."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import pytest
+from llama_cachegen import codec
+from llama_cachegen.errors import CorruptDataError, InvalidArgumentError, ModelMismatchError
+from llama_cachegen.llama import Llama, StateMeta, load_compressed_state, save_compressed_state
+from llama_cachegen.model import default_model_path, sample_text
+from llama_cachegen.quality import compare_logits
+
+PREFIX, CONT = 128, 32
+LEVELS = ("lossless", "high", "balanced", "compact")
+# Teacher-forced quality over CONT tokens after a reload, vs the untouched state.
+BOUNDS = {"high": (0.02, 0.90), "balanced": (0.05, 0.85), "compact": (0.15, 0.70)}  # (max KL, min top-1)
+QUESTION = b"\n\nQuestion: What is the name of this license?\nAnswer:"
+
+
+def _llama(**kwargs: Any) -> Llama:
+    params: dict[str, Any] = {"n_ctx": 512, "n_threads": 2, "n_threads_batch": 2, "verbose": False}
+    params.update(kwargs)
+    return Llama(str(default_model_path()), **params)
+
+
+def _seq_bytes(llm: llama_cpp.Llama, seq_id: int) -> bytes:
+    """The exact state bytes of one sequence (a lossless save, decoded)."""
+    return codec.decode(save_compressed_state(llm, level="lossless", seq_id=seq_id))
+
+
+def _without_seq_ids(state: bytes) -> bytes:
+    """A sequence state with its header seq id and every cell's seq id zeroed (DESIGN.md §2 layout:
+    magic, seq_id, n_stream, cell_count, then pos, n_seq_id=1, seq_id per cell for this model)."""
+    out = bytearray(state)
+    n_cells = int.from_bytes(state[12:16], "little")
+    out[4:8] = bytes(4)
+    for i in range(n_cells):
+        out[16 + 12 * i + 8 : 16 + 12 * i + 12] = bytes(4)
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One prefill saved at every level, with the reference continuation and greedy answer."""
+    out = tmp_path_factory.mktemp("saved")
+    llm = _llama(logits_all=True)
+    tokens = llm.tokenize(sample_text("gpl-3.0.txt").encode())
+    prefix, cont = tokens[:PREFIX], tokens[PREFIX : PREFIX + CONT]
+    llm.eval(prefix)
+    for level in LEVELS:
+        assert save_compressed_state(llm, out / f"{level}.lcg", level=level) == str(out / f"{level}.lcg")
+    llm.eval(cont)
+    ref = np.array(llm.scores[PREFIX - 1 : PREFIX + CONT - 1])
+    llm.n_tokens = PREFIX  # back to the saved prefix: the answer below evaluates only the question
+    question = llm.tokenize(QUESTION, add_bos=False)
+    answer = llm.create_completion(prefix + question, max_tokens=12, temperature=0.0)["choices"][0]["text"]
+    return {"dir": out, "prefix": prefix, "cont": cont, "ref": ref, "question": question, "answer": answer}
+
+
+_CHILD = """
+import json, sys
+import llama_cpp
+import numpy as np
+from llama_cachegen import Llama
+from llama_cachegen.model import default_model_path
+d, prefix, cont, question = sys.argv[1], *(json.loads(a) for a in sys.argv[2:5])
+llm = Llama(str(default_model_path()), n_ctx=512, n_threads=2, logits_all=True, verbose=False)
+result = {}
+for level in ("lossless", "high", "balanced", "compact"):
+    report = llm.load_compressed_state(f"{d}/{level}.lcg")
+    restored = llm.input_ids[: llm.n_tokens].tolist()
+    logits_row = llm.scores[llm.n_tokens - 1].copy()
+    llm.eval(cont)
+    rows = llm.scores[len(prefix) : len(prefix) + len(cont) - 1]
+    np.save(f"{d}/{level}.npy", np.vstack([logits_row, rows]))
+    result[level] = {"tokens": report.tokens, "restored_ok": restored == prefix, "ratio": report.ratio}
+llm.load_compressed_state(f"{d}/lossless.lcg")
+llama_cpp.llama_perf_context_reset(llm.ctx)
+out = llm.create_completion(prefix + question, max_tokens=12, temperature=0.0)
+result["answer"] = out["choices"][0]["text"]
+result["n_p_eval"] = llama_cpp.llama_perf_context(llm.ctx).n_p_eval
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def child(saved: dict[str, Any]) -> dict[str, Any]:
+    args = [json.dumps(saved[k]) for k in ("prefix", "cont", "question")]
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(saved["dir"]), *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_lossless_continuation_in_another_process_is_identical(
+    saved: dict[str, Any], child: dict[str, Any]
+) -> None:
+    assert child["answer"] == saved["answer"]
+    # only the question was evaluated: the restored prefix was not recomputed
+    assert child["n_p_eval"] == len(saved["question"])
+    assert child["lossless"]["tokens"] == PREFIX and child["lossless"]["restored_ok"]
+    logits = np.load(saved["dir"] / "lossless.npy")
+    np.testing.assert_array_equal(logits, saved["ref"])  # last logits row included
+
+
+@pytest.mark.parametrize("level", list(BOUNDS))
+def test_lossy_levels_within_bounds_in_another_process(
+    saved: dict[str, Any], child: dict[str, Any], level: str
+) -> None:
+    max_kl, min_top1 = BOUNDS[level]
+    logits = np.load(saved["dir"] / f"{level}.npy")
+    # row 0 is the saved last-logits row (exact), the rest come from the reconstructed KV cache
+    np.testing.assert_array_equal(logits[0], saved["ref"][0])
+    metrics = compare_logits(saved["ref"][1:], logits[1:], saved["cont"])
+    assert metrics["kl"] <= max_kl and metrics["top1"] >= min_top1, metrics
+    assert child[level]["restored_ok"] and child[level]["ratio"] > child["lossless"]["ratio"]
+
+
+def test_sequence_save_load_between_seq_ids_leaves_others_untouched() -> None:
+    llm = _llama(n_seq_max=3)
+    tokens = llm.tokenize(sample_text("gfdl-1.3.txt").encode())
+    llm.eval(tokens[:48])
+    blob_a = save_compressed_state(llm, seq_id=0, level="lossless")
+    state_a = codec.decode(blob_a)
+    llm.reset()
+    llm.eval(tokens[100:130])  # seq 0 now holds other tokens
+    seq0 = _seq_bytes(llm, 0)
+    report = load_compressed_state(llm, blob_a, seq_id=2)
+    assert report.seq_id == 2 and report.cells == 48 and report.tokens == 0
+    assert _seq_bytes(llm, 0) == seq0  # untouched, and llama-cpp-python's own tokens too
+    assert llm.n_tokens == 30
+    # same positions and KV as seq 0 had when saved; only the seq ids differ
+    assert _without_seq_ids(_seq_bytes(llm, 2)) == _without_seq_ids(state_a)
+    # reloading into seq 2 replaces it instead of adding to it
+    load_compressed_state(llm, blob_a, seq_id=2)
+    assert _without_seq_ids(_seq_bytes(llm, 2)) == _without_seq_ids(state_a) and _seq_bytes(llm, 0) == seq0
+    with pytest.raises(InvalidArgumentError, match="n_seq_max"):
+        load_compressed_state(llm, blob_a, seq_id=3)
+    with pytest.raises(InvalidArgumentError, match="whole context"):
+        load_compressed_state(llm, save_compressed_state(llm, level="lossless"), seq_id=1)
+
+
+def _assert_mismatch_leaves_context(llm: Llama, blob: bytes, exc: type[Exception], match: str | None) -> None:
+    """Loading `blob` fails with `exc` and the context is as it was, and still usable."""
+    before, n_tokens = _seq_bytes(llm, 0), llm.n_tokens
+    with pytest.raises(exc, match=match):
+        load_compressed_state(llm, blob)
+    assert _seq_bytes(llm, 0) == before and llm.n_tokens == n_tokens
+    prompt = llm.input_ids[: llm.n_tokens].tolist() + llm.tokenize(b" and", add_bos=False)
+    assert llm.create_completion(prompt, max_tokens=2, temperature=0.0)["choices"][0]["text"] is not None
+
+
+@pytest.fixture(scope="module")
+def source_blob(saved: dict[str, Any]) -> bytes:
+    return (saved["dir"] / "balanced.lcg").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def target() -> Llama:
+    llm = _llama()
+    llm.eval(llm.tokenize(b"An unrelated context that must survive a failed load."))
+    return llm
+
+
+def test_other_kv_type_q8_0_is_refused(source_blob: bytes) -> None:
+    llm = _llama(type_k=llama_cpp.GGML_TYPE_Q8_0)
+    llm.eval(llm.tokenize(b"Some other context."))
+    _assert_mismatch_leaves_context(
+        llm, source_blob, ModelMismatchError, "type_k: saved 'f16', this context 'q8_0'"
+    )
+
+
+def test_too_small_n_ctx_is_refused(source_blob: bytes) -> None:
+    llm = _llama(n_ctx=64)
+    llm.eval(llm.tokenize(b"Tiny."))
+    _assert_mismatch_leaves_context(llm, source_blob, ModelMismatchError, "context too small.*n_ctx 64")
+
+
+@pytest.mark.parametrize("field", ["model_hash", "n_layer", "state_format"])
+def test_altered_fingerprint_field_is_refused(target: Llama, source_blob: bytes, field: str) -> None:
+    """Only one model is available offline: another model is simulated by altering one field."""
+    meta = StateMeta.unpack(codec.user_meta(source_blob))
+    meta.fingerprint[field] = "other"
+    forged = codec.encode(codec.decode(source_blob), "lossless", user_meta=meta.pack())
+    _assert_mismatch_leaves_context(target, forged, ModelMismatchError, f"{field}: saved 'other'")
+
+
+def test_corrupted_file_is_refused(target: Llama, source_blob: bytes) -> None:
+    damaged = bytearray(source_blob)
+    damaged[len(damaged) // 2] ^= 0x40
+    _assert_mismatch_leaves_context(target, bytes(damaged), CorruptDataError, None)
+
+
+def test_llama_cpp_refusal_puts_the_context_back(source_blob: bytes) -> None:
+    """Flash attention stores V untransposed: the fingerprint matches, llama.cpp itself refuses."""
+    llm = _llama(flash_attn=True)
+    llm.eval(llm.tokenize(b"A flash attention context."))
+    _assert_mismatch_leaves_context(llm, source_blob, ModelMismatchError, "put back as it was")
+
+
+def test_save_to_bytes_and_report(saved: dict[str, Any], tmp_path: Path) -> None:
+    llm = _llama()
+    report = llm.load_compressed_state((saved["dir"] / "balanced.lcg").as_uri())
+    assert report.tokens == PREFIX and report.bytes_read == (saved["dir"] / "balanced.lcg").stat().st_size
+    assert report.ratio > 1 and report.decode_ms > 0
+    blob = llm.save_compressed_state(level="lossless")
+    meta = StateMeta.unpack(codec.user_meta(blob))
+    assert meta.scope == "all" and meta.tokens.tolist() == saved["prefix"] and meta.logits is None
