@@ -25,19 +25,14 @@ float layer_step(const QuantKnobs & k, bool is_v, uint32_t layer, uint32_t n_lay
     return last * (k.first_layer_scale + (1.0f - k.first_layer_scale) * t);
 }
 
-ChannelQuant channel_quant(double sum, double sum_sq, uint64_t count, float rel_step) {
-    double mean = 0.0, sd = 0.0;
-    if (count > 0) {
-        mean = sum / static_cast<double>(count);
-        sd = std::sqrt(std::max(0.0, sum_sq / static_cast<double>(count) - mean * mean));
-    }
-    float step = static_cast<float>(sd) * rel_step;
-    if (!(step >= MIN_STEP)) {
-        step = sd > 0.0 ? MIN_STEP : 1.0f;  // a constant channel quantizes to q = 0 exactly
+ChannelQuant channel_quant(double mean, double step) {
+    float s = static_cast<float>(step);
+    if (!(s >= MIN_STEP)) {
+        s = step > 0.0 ? MIN_STEP : 1.0f;
     }
     ChannelQuant cq;
     cq.mean_f16 = f32_to_f16(std::isfinite(mean) ? static_cast<float>(mean) : 0.0f);
-    cq.step_f16 = f32_to_f16(std::min(step, 65504.0f));
+    cq.step_f16 = f32_to_f16(std::min(s, 65504.0f));
     return cq;
 }
 
@@ -51,7 +46,9 @@ void store_float(uint8_t * p, int32_t ggml_type, float v) {
 }
 
 float dequant_value(const ChannelQuant & cq, int64_t q) {
-    return f16_to_f32(cq.mean_f16) + static_cast<float>(q) * f16_to_f32(cq.step_f16);
+    const float shrink = static_cast<float>(cq.shrink_u8) * (1.0f / 256.0f);
+    const float level = q > 0 ? static_cast<float>(q) - shrink : q < 0 ? static_cast<float>(q) + shrink : 0.0f;
+    return f16_to_f32(cq.mean_f16) + level * f16_to_f32(cq.step_f16);
 }
 
 void build_dequant(const ChannelQuant & cq, int32_t ggml_type, DequantTable & t) {

@@ -29,10 +29,12 @@ float layer_step(const QuantKnobs & k, bool is_v, uint32_t layer, uint32_t n_lay
 struct ChannelQuant {
     uint16_t mean_f16;
     uint16_t step_f16;
+    uint8_t shrink_u8 = 0;  // reconstruction of q != 0 is sign(q) (|q| - shrink_u8 / 256) steps
 };
 
-// Picks mean and step (rel_step x standard deviation) from a channel's samples.
-ChannelQuant channel_quant(double sum, double sum_sq, uint64_t count, float rel_step);
+// Rounds a channel's mean and step to f16; a step of 0 (a constant group) becomes 1 so that every
+// value quantizes to q = 0, tiny steps become the smallest normal f16.
+ChannelQuant channel_quant(double mean, double step);
 
 constexpr int32_t GGML_F32 = 0;
 constexpr int32_t GGML_F16 = 1;

@@ -1,0 +1,120 @@
+"""Shared fixtures: the real model, real text, real llama.cpp states, and a synthetic state builder
+for the layouts SmolLM2 cannot produce (cell ext, interleaved SWA, hybrid tails, many streams)."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from llama_cachegen import quality
+from llama_cachegen.model import default_model_path, sample_text
+
+IO_MAGIC = 0xAF143CD8
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gpl_tokens(model_path: Path) -> list[int]:
+    llm = quality.make_llama(model_path, n_ctx=64, logits_all=False)
+    return llm.tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)
+
+
+def seq_state(llm: Any, seq_id: int = 0) -> bytes:
+    return quality.seq_state(llm, seq_id)
+
+
+def full_state(llm: Any) -> bytes:
+    import llama_cpp
+
+    ctx = llm._ctx.ctx
+    size = llama_cpp.llama_state_get_size(ctx)
+    buf = (ctypes.c_uint8 * size)()
+    written = llama_cpp.llama_state_get_data(ctx, buf, size)
+    return bytes(memoryview(buf)[:written])
+
+
+def multi_seq_llama(model_path: Path, n_seq_max: int, unified: bool, **kwargs: Any) -> Any:
+    """A context with several sequences: one shared stream (unified) or one stream per sequence."""
+    from llama_cpp import _internals
+
+    llm = quality.make_llama(model_path, **kwargs)
+    llm.context_params.n_seq_max = n_seq_max
+    llm.context_params.kv_unified = unified
+    llm._ctx.close()
+    llm._ctx = _internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=False)
+    return llm
+
+
+def copy_seq(llm: Any, src: int, dst: int) -> None:
+    import llama_cpp
+
+    llama_cpp.llama_memory_seq_cp(llama_cpp.llama_get_memory(llm._ctx.ctx), src, dst, -1, -1)
+
+
+# ---- synthetic llama.cpp states (docs/llama-state.md) -----------------------------------------
+
+def kv_cache_bytes(
+    rng: np.random.Generator,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    cells_per_stream: Sequence[int] = (8,),
+    v_trans: bool = False,
+    ext: bool = False,
+    with_v: bool = True,
+    dtype: str = "f16",
+    seqs_per_cell: int = 1,
+) -> bytes:
+    """One llama_kv_cache::state_write section with random K/V values."""
+    type_id, np_type = {"f16": (1, np.float16), "f32": (0, np.float32)}[dtype]
+    out = bytearray(struct.pack("<I", len(cells_per_stream)))
+    for n_cells in cells_per_stream:
+        out += struct.pack("<I", n_cells)
+        if n_cells == 0:
+            continue
+        for pos in range(n_cells):
+            out += struct.pack("<iI", pos, seqs_per_cell)
+            if ext:
+                out += struct.pack("<iii", pos, 0, pos + 7)
+            out += b"".join(struct.pack("<i", s) for s in range(seqs_per_cell))
+        out += struct.pack("<II", int(v_trans), n_layer)
+        item = np.dtype(np_type).itemsize
+        for _ in range(n_layer):
+            k = rng.normal(0, 1, (n_cells, n_embd)).astype(np_type)
+            out += struct.pack("<iQ", type_id, n_embd * item) + k.tobytes()
+        if with_v:
+            for _ in range(n_layer):
+                v = rng.normal(0, 0.5, (n_cells, n_embd)).astype(np_type)
+                if v_trans:
+                    out += struct.pack("<iII", type_id, item, n_embd) + v.T.copy().tobytes()
+                else:
+                    out += struct.pack("<iQ", type_id, n_embd * item) + v.tobytes()
+    return bytes(out)
+
+
+def seq_buffer(memory: bytes, seq_id: int = 0) -> bytes:
+    return struct.pack("<Ii", IO_MAGIC, seq_id) + memory
+
+
+def full_buffer(memory: bytes, arch: str = "llama") -> bytes:
+    return struct.pack("<I", len(arch)) + arch.encode() + memory
+
+
+def seq_file(memory: bytes, tokens: Sequence[int], version: int = 3) -> bytes:
+    head = struct.pack("<III", 0x67677371, version, len(tokens))
+    return head + struct.pack(f"<{len(tokens)}i", *tokens) + memory
+
+
+def session_file(memory: bytes, tokens: Sequence[int], arch: str = "llama", version: int = 10) -> bytes:
+    head = struct.pack("<III", 0x6767736E, version, len(tokens))
+    return head + struct.pack(f"<{len(tokens)}i", *tokens) + full_buffer(memory, arch)

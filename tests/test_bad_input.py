@@ -1,0 +1,249 @@
+"""Bad input gets a specific error and never a crash: truncation, bit flips, forged sizes,
+unknown formats; and the synthetic layouts SmolLM2 cannot produce still round-trip."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import full_buffer, kv_cache_bytes, seq_buffer, seq_file, session_file
+
+import llama_cachegen as lcg
+from llama_cachegen import quality
+
+HEADER = 48
+ENTRY = 32
+DATA = Path(__file__).parent / "data"
+
+
+def crc32c(data: bytes, crc: int = 0) -> int:
+    table = _crc_table()
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc = (crc >> 8) ^ table[(crc ^ b) & 0xFF]
+    return crc ^ 0xFFFFFFFF
+
+
+def _crc_table() -> list[int]:
+    if not _TABLE:
+        for i in range(256):
+            c = i
+            for _ in range(8):
+                c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+            _TABLE.append(c)
+    return _TABLE
+
+
+_TABLE: list[int] = []
+
+
+def sections(blob: bytes) -> list[tuple[int, int, int, int]]:
+    """(type, tensor, offset, size) of each section table entry."""
+    (n,) = struct.unpack_from("<I", blob, 12)
+    return [struct.unpack_from("<IIQQ", blob, HEADER + ENTRY * i) for i in range(n)]
+
+
+def reseal(blob: bytearray) -> bytearray:
+    """Recomputes every section CRC and the header CRC, as a forger would."""
+    for i, (_, _, off, size) in enumerate(sections(bytes(blob))):
+        struct.pack_into("<I", blob, HEADER + ENTRY * i + 24, crc32c(bytes(blob[off : off + size])))
+    (n,) = struct.unpack_from("<I", blob, 12)
+    head = crc32c(bytes(blob[: HEADER - 4]))
+    head = crc32c(bytes(blob[HEADER : HEADER + ENTRY * n]), head)
+    struct.pack_into("<I", blob, HEADER - 4, head)
+    return blob
+
+
+@pytest.fixture(scope="module")
+def small_state(model_path: Path, gpl_tokens: list[int]) -> bytes:
+    llm = quality.make_llama(model_path, n_ctx=64, logits_all=False)
+    return quality.state_of(llm, gpl_tokens[:24])
+
+
+@pytest.fixture(scope="module", params=["lossless", "balanced"])
+def blob(request: pytest.FixtureRequest, small_state: bytes) -> bytes:
+    return lcg.encode(small_state, request.param)
+
+
+def test_reseal_reproduces_the_encoder(blob: bytes) -> None:
+    assert bytes(reseal(bytearray(blob))) == blob
+
+
+def test_truncation_at_every_section_boundary(blob: bytes) -> None:
+    cuts = {0, 3, 4, 10, HEADER - 1, HEADER, len(blob) - 1}
+    for _, _, off, size in sections(blob):
+        cuts |= {off, off + 1, off + size // 2, off + size - 1}
+    for cut in sorted(c for c in cuts if c < len(blob)):
+        with pytest.raises((lcg.TruncatedDataError, lcg.NotAContainerError)):
+            lcg.decode(blob[:cut])
+
+
+@pytest.mark.parametrize("region", ["header", "table", "layout", "verbatim", "tensor"])
+def test_flipped_bits_are_caught_by_checksums(blob: bytes, region: str) -> None:
+    rng = np.random.default_rng(7)
+    secs = sections(blob)
+    (n,) = struct.unpack_from("<I", blob, 12)
+    if region == "header":
+        spans = [(16, HEADER)]  # past magic, version and the level/kind bytes checked first
+    elif region == "table":
+        spans = [(HEADER, HEADER + ENTRY * n)]
+    else:
+        kind = {"layout": 1, "verbatim": 2, "tensor": 3}[region]
+        spans = [(off, off + size) for t, _, off, size in secs if t == kind and size]
+    for _ in range(40):
+        lo, hi = spans[rng.integers(len(spans))]
+        pos = int(rng.integers(lo, hi))
+        bad = bytearray(blob)
+        bad[pos] ^= 1 << int(rng.integers(8))
+        with pytest.raises((lcg.ChecksumError, lcg.TruncatedDataError, lcg.LimitExceededError)):
+            lcg.decode(bad)
+
+
+def test_wrong_magic_and_version(blob: bytes) -> None:
+    with pytest.raises(lcg.NotAContainerError, match="LCGC"):
+        lcg.decode(b"PK\x03\x04" + blob[4:])
+    with pytest.raises(lcg.NotAContainerError):
+        lcg.decode(b"")
+    newer = bytearray(blob)
+    struct.pack_into("<H", newer, 4, 2)
+    with pytest.raises(lcg.UnsupportedVersionError, match="version 2"):
+        lcg.decode(reseal(newer))
+    with pytest.raises(lcg.UnsupportedVersionError):
+        lcg.inspect(reseal(newer))
+
+
+def test_absurd_sizes_are_refused_before_allocating(blob: bytes) -> None:
+    huge_state = bytearray(blob)
+    struct.pack_into("<Q", huge_state, 16, 1 << 50)
+    with pytest.raises(lcg.LimitExceededError):
+        lcg.decoded_size(reseal(huge_state))
+    expanded = bytearray(blob)
+    struct.pack_into("<Q", expanded, 16, 5000 * len(blob) + (1 << 21))
+    with pytest.raises(lcg.LimitExceededError, match="expansion"):
+        lcg.decode(reseal(expanded))
+    many_sections = bytearray(blob)
+    struct.pack_into("<I", many_sections, 12, 1 << 30)
+    with pytest.raises(lcg.LimitExceededError, match="sections"):
+        lcg.decode(many_sections)
+
+
+def test_forged_layout_is_inconsistent(blob: bytes) -> None:
+    layout = next((off, size) for t, _, off, size in sections(blob) if t == 1)
+    for field_offset, value in ((4, 1 << 31), (8, 1 << 31), (32 + 16, 1 << 30), (32 + 24, 0)):
+        bad = bytearray(blob)
+        struct.pack_into("<I", bad, layout[0] + field_offset, value)
+        with pytest.raises(lcg.CorruptDataError):
+            lcg.decode(reseal(bad))
+
+
+def test_random_resealed_mutations_never_crash(blob: bytes) -> None:
+    rng = np.random.default_rng(11)
+    secs = [(off, size) for t, _, off, size in sections(blob) if t in (1, 3) and size]
+    outcomes = set()
+    for _ in range(150):
+        bad = bytearray(blob)
+        off, size = secs[rng.integers(len(secs))]
+        for _ in range(int(rng.integers(1, 4))):
+            bad[off + int(rng.integers(size))] = int(rng.integers(256))
+        try:
+            out = lcg.decode(reseal(bad))
+            outcomes.add("decoded")
+            assert len(out) == lcg.decoded_size(blob)
+        except lcg.CacheGenError as err:
+            outcomes.add(type(err).__name__)
+    assert "CorruptDataError" in outcomes
+
+
+# ---- llama.cpp states this library does not read ------------------------------------------------
+
+def test_unknown_states_are_refused_with_what_was_found(small_state: bytes) -> None:
+    with pytest.raises(lcg.UnsupportedFormatError, match="0x46445025"):
+        lcg.encode(b"%PDF-1.7 not a state at all")
+    with pytest.raises(lcg.UnsupportedFormatError, match="at least 8 bytes"):
+        lcg.encode(b"\x01\x02")
+    with pytest.raises(lcg.UnsupportedFormatError):
+        lcg.encode(small_state[: len(small_state) // 2])
+    memory = kv_cache_bytes(np.random.default_rng(0))
+    with pytest.raises(lcg.UnsupportedFormatError, match="version 2; this library reads version 3"):
+        lcg.encode(seq_file(memory, [1, 2, 3], version=2))
+    with pytest.raises(lcg.UnsupportedFormatError, match="version 9"):
+        lcg.encode(session_file(memory, [1, 2], version=9))
+    bad_type = bytearray(small_state)
+    # first K layer's ggml type: after magic, seq id, n_stream, cell_count, cells, v_trans, n_layer
+    n_cells = struct.unpack_from("<I", small_state, 12)[0]
+    struct.pack_into("<i", bad_type, 16 + 12 * n_cells + 8, 12)  # q4_K: not a KV cache type
+    with pytest.raises(lcg.UnsupportedFormatError, match="ggml type 12"):
+        lcg.encode(bad_type)
+    with pytest.raises(lcg.InvalidArgumentError):
+        lcg.encode(small_state, "ultra")
+    with pytest.raises(lcg.InvalidArgumentError):
+        lcg.encode("a string is not a buffer")  # type: ignore[arg-type]
+    with pytest.raises(lcg.InvalidArgumentError, match="k_step"):
+        lcg.encode(small_state, "balanced", k_step=float("nan"))
+
+
+# ---- synthetic layouts --------------------------------------------------------------------------
+
+def _round_trips(state: bytes, tensors: int) -> None:
+    assert lcg.inspect_state(state)["tensors"] == tensors
+    assert lcg.decode(lcg.encode(state, "lossless")) == state
+    lossy = lcg.decode(lcg.encode(state, "compact", sink_tokens=2))
+    assert len(lossy) == len(state) and lcg.inspect_state(lossy) == lcg.inspect_state(state)
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_synthetic_layouts_round_trip(v_trans: bool) -> None:
+    rng = np.random.default_rng(1)
+    swa = kv_cache_bytes(rng, cells_per_stream=(5,), v_trans=v_trans)
+    base = kv_cache_bytes(rng, cells_per_stream=(9,), v_trans=v_trans)
+    _round_trips(seq_buffer(base + swa), 8)  # interleaved SWA: two caches
+    _round_trips(full_buffer(kv_cache_bytes(rng, cells_per_stream=(7, 0, 3, 11), v_trans=v_trans)), 12)
+    _round_trips(full_buffer(kv_cache_bytes(rng, ext=True, v_trans=v_trans), "qwen2vl"), 4)
+    _round_trips(seq_buffer(kv_cache_bytes(rng, with_v=False)), 2)  # MLA-style: no V
+    _round_trips(full_buffer(kv_cache_bytes(rng, seqs_per_cell=3, dtype="f32", v_trans=v_trans)), 4)
+    _round_trips(seq_file(base, list(range(9))), 4)
+    _round_trips(session_file(base, list(range(9))), 4)
+    _round_trips(seq_buffer(struct.pack("<II", 1, 0)), 0)  # empty cache
+
+
+def test_hybrid_tail_is_carried_verbatim() -> None:
+    rng = np.random.default_rng(2)
+    tail = b"\x07\x00\x00\x00recurrent-state" + bytes(range(200))
+    state = full_buffer(kv_cache_bytes(rng) + tail, "jamba")
+    _round_trips(state, 4)
+    assert lcg.decode(lcg.encode(state, "compact")).endswith(tail)
+
+
+def test_non_finite_values_fall_back_to_lossless() -> None:
+    rng = np.random.default_rng(3)
+    state = bytearray(seq_buffer(kv_cache_bytes(rng, n_embd=32)))
+    nan_at = len(state) - 10
+    state[nan_at : nan_at + 2] = np.array([np.nan], np.float16).tobytes()
+    out = lcg.decode(lcg.encode(bytes(state), "compact"))
+    assert np.isnan(np.frombuffer(bytes(out[nan_at : nan_at + 2]), np.float16)[0])
+
+
+# ---- golden files -------------------------------------------------------------------------------
+
+def golden_state() -> bytes:
+    return seq_buffer(kv_cache_bytes(np.random.default_rng(2024), n_layer=2, n_embd=32, cells_per_stream=(16,)))
+
+
+@pytest.mark.parametrize("level", ["lossless", "balanced"])
+def test_golden_containers_still_decode(level: str) -> None:
+    """Containers written by format version 1 decode to the same bytes forever."""
+    blob = (DATA / f"golden-v1-{level}.lcg").read_bytes()
+    expected = (DATA / f"golden-v1-{level}.state").read_bytes()
+    assert lcg.decode(blob) == expected
+    if level == "lossless":
+        assert expected == golden_state()
+
+
+def test_golden_bad_containers_fail() -> None:
+    blob = (DATA / "golden-v1-balanced.lcg").read_bytes()
+    with pytest.raises(lcg.ChecksumError):
+        lcg.decode(blob[:-1] + bytes([blob[-1] ^ 0x10]))
+    with pytest.raises(lcg.TruncatedDataError):
+        lcg.decode(blob[:-1])

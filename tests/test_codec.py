@@ -1,0 +1,221 @@
+"""The native codec on real llama.cpp states: round trips, loading into llama.cpp, quality."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import copy_seq, full_state, multi_seq_llama, seq_state
+
+import llama_cachegen as lcg
+from llama_cachegen import quality
+
+PREFIX = 384
+CONT = 96
+
+# Per-level bounds on teacher-forced quality over the continuation (loose enough to be stable:
+# measured here, the levels sit at about a third of each KL bound).
+QUALITY_BOUNDS = {"high": (0.015, 0.92), "balanced": (0.05, 0.85), "compact": (0.12, 0.75)}
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: Path) -> Any:
+    return quality.make_llama(model_path, n_ctx=PREFIX + CONT + 16)
+
+
+@pytest.fixture(scope="module")
+def prefix_cont(gpl_tokens: list[int]) -> tuple[list[int], list[int]]:
+    return gpl_tokens[:PREFIX], gpl_tokens[PREFIX : PREFIX + CONT]
+
+
+@pytest.fixture(scope="module")
+def state_fa_off(llm: Any, prefix_cont: tuple[list[int], list[int]]) -> bytes:
+    return quality.state_of(llm, prefix_cont[0])
+
+
+@pytest.fixture(scope="module")
+def reference_logits(llm: Any, state_fa_off: bytes, prefix_cont: tuple[list[int], list[int]]) -> np.ndarray:
+    return quality.continuation_logits(llm, state_fa_off, *prefix_cont)
+
+
+def _states(model_path: Path, tokens: list[int]) -> dict[str, bytes]:
+    """Real states of every kind and layout this llama.cpp produces with SmolLM2."""
+    import llama_cpp
+
+    out: dict[str, bytes] = {}
+    llm = quality.make_llama(model_path, n_ctx=256, flash_attn=True, logits_all=False)
+    out["seq_v_rows"] = quality.state_of(llm, tokens[:100])
+    llm = quality.make_llama(model_path, n_ctx=256, type_k="q8_0", type_v="q8_0", flash_attn=True,
+                             logits_all=False)
+    out["seq_q8_0"] = quality.state_of(llm, tokens[:100])
+    llm = quality.make_llama(model_path, n_ctx=256, type_k="f32", type_v="bf16", flash_attn=True,
+                             logits_all=False)
+    out["seq_f32_bf16"] = quality.state_of(llm, tokens[:100])
+    for name, unified in (("full_shared_cells", True), ("full_two_streams", False)):
+        llm = multi_seq_llama(model_path, 2, unified, n_ctx=512, logits_all=False)
+        llm.eval(tokens[:60])
+        copy_seq(llm, 0, 1)
+        out[name] = full_state(llm)
+        if not unified:
+            out["seq_of_stream_1"] = seq_state(llm, 1)
+    llm = quality.make_llama(model_path, n_ctx=256, logits_all=False)
+    llm.eval(tokens[:80])
+    return out | _files(llm, tokens[:80], llama_cpp)
+
+
+def _files(llm: Any, tokens: list[int], llama_cpp: Any) -> dict[str, bytes]:
+    import tempfile
+
+    arr = (llama_cpp.llama_token * len(tokens))(*tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        seq_path, session_path = Path(tmp) / "slot.bin", Path(tmp) / "session.bin"
+        assert llama_cpp.llama_state_seq_save_file(llm._ctx.ctx, str(seq_path).encode(), 0, arr, len(tokens))
+        assert llama_cpp.llama_state_save_file(llm._ctx.ctx, str(session_path).encode(), arr, len(tokens))
+        return {"seq_file": seq_path.read_bytes(), "session_file": session_path.read_bytes()}
+
+
+@pytest.fixture(scope="module")
+def states(model_path: Path, gpl_tokens: list[int], state_fa_off: bytes) -> dict[str, bytes]:
+    return {"seq_v_transposed": state_fa_off} | _states(model_path, gpl_tokens)
+
+
+EXPECTED_KIND = {
+    "seq_v_transposed": "seq_buffer", "seq_v_rows": "seq_buffer", "seq_q8_0": "seq_buffer",
+    "seq_f32_bf16": "seq_buffer", "full_shared_cells": "full_buffer", "full_two_streams": "full_buffer",
+    "seq_of_stream_1": "seq_buffer", "seq_file": "seq_file", "session_file": "session",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_KIND))
+def test_lossless_round_trip_is_byte_identical(states: dict[str, bytes], name: str) -> None:
+    state = states[name]
+    blob = lcg.encode(state, "lossless")
+    assert lcg.decode(blob) == state
+    info = lcg.inspect(blob)
+    assert info["kind"] == EXPECTED_KIND[name] and info["state_size"] == len(state)
+    assert info["tensors"] == (120 if name == "full_two_streams" else 60)
+    assert len(blob) < len(state)  # entropy coding pays even losslessly
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_KIND))
+@pytest.mark.parametrize("level", ["high", "balanced", "compact"])
+def test_lossy_round_trip_keeps_everything_but_kv_payloads(states: dict[str, bytes], name: str, level: str) -> None:
+    state = states[name]
+    blob = lcg.encode(state, level)
+    out = lcg.decode(blob)
+    assert len(out) == len(state)
+    # The parse of the decoded state is the same layout, and every non-KV byte is identical.
+    assert lcg.inspect_state(out) == lcg.inspect_state(state)
+    assert lcg.encode(out, "lossless") and lcg.decode(lcg.encode(out, "lossless")) == out
+    lossless = lcg.encode(state, "lossless")
+    if name == "seq_q8_0":
+        assert out == state  # quantized caches are always carried losslessly
+    else:
+        assert out != state and len(blob) < len(lossless)
+
+
+def test_kv_differences_stay_within_the_quantizer_step(states: dict[str, bytes]) -> None:
+    state = states["seq_v_rows"]
+    out = lcg.decode(lcg.encode(state, "high"))
+    a = np.frombuffer(state, np.uint8)
+    b = np.frombuffer(out, np.uint8)
+    changed = np.flatnonzero(a != b)
+    assert changed.size > 0
+    # f16 payload values move by little: compare as halves over the changed region's span
+    lo, hi = changed[0] & ~1, (changed[-1] | 1) + 1
+    x = np.frombuffer(state[lo:hi], np.float16).astype(np.float32)
+    y = np.frombuffer(bytes(out[lo:hi]), np.float16).astype(np.float32)
+    assert np.all(np.isfinite(y))
+    assert np.abs(x - y).max() < 0.2 * np.abs(x).max()
+
+
+@pytest.mark.parametrize("level", ["lossless", "high", "balanced", "compact"])
+def test_decoded_state_loads_into_llama_cpp_and_generates(
+    model_path: Path, states: dict[str, bytes], level: str
+) -> None:
+    import llama_cpp
+
+    for name in ("seq_v_transposed", "seq_v_rows"):
+        out = lcg.decode(lcg.encode(states[name], level))
+        llm = quality.make_llama(model_path, n_ctx=PREFIX + CONT + 16, flash_attn=name == "seq_v_rows",
+                                 logits_all=False)
+        buf = (ctypes.c_uint8 * len(out)).from_buffer(out)
+        assert llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, buf, len(out), 0) == len(out)
+        n_cells = lcg.inspect_state(out)["cells"]
+        llm.n_tokens = n_cells
+        llm.eval([1000, 2000, 3000])
+        assert llm.n_tokens == n_cells + 3
+    full = lcg.decode(lcg.encode(states["full_shared_cells"], level))
+    llm = multi_seq_llama(model_path, 2, True, n_ctx=512, logits_all=False)
+    buf = (ctypes.c_uint8 * len(full)).from_buffer(full)
+    assert llama_cpp.llama_state_set_data(llm._ctx.ctx, buf, len(full)) == len(full)
+
+
+@pytest.mark.parametrize("level", ["high", "balanced", "compact"])
+def test_lossy_quality_within_bounds(
+    llm: Any,
+    state_fa_off: bytes,
+    reference_logits: np.ndarray,
+    prefix_cont: tuple[list[int], list[int]],
+    level: str,
+) -> None:
+    blob = lcg.encode(state_fa_off, level)
+    test = quality.continuation_logits(llm, bytes(lcg.decode(blob)), *prefix_cont)
+    metrics = quality.compare_logits(reference_logits, test, prefix_cont[1])
+    max_kl, min_top1 = QUALITY_BOUNDS[level]
+    assert metrics["kl"] <= max_kl and metrics["top1"] >= min_top1, metrics
+
+
+def test_levels_trade_size_for_quality(state_fa_off: bytes) -> None:
+    sizes = [len(lcg.encode(state_fa_off, level)) for level in ("lossless", "high", "balanced", "compact")]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 4
+    assert len(state_fa_off) / sizes[0] > 1.1
+    assert len(state_fa_off) / sizes[2] > 3.5
+
+
+def test_expert_knobs_change_the_rate(state_fa_off: bytes) -> None:
+    fine = lcg.encode(state_fa_off, "balanced", k_step=0.1, v_step=0.1)
+    coarse = lcg.encode(state_fa_off, "balanced", k_step=1.0, v_step=1.0, first_layer_scale=1.0, sink_tokens=0)
+    assert len(fine) > 1.5 * len(coarse)
+    info = lcg.inspect(coarse)
+    assert (info["k_step"], info["v_step"], info["first_layer_scale"], info["sink_tokens"]) == (1.0, 1.0, 1.0, 0)
+
+
+def test_output_does_not_depend_on_thread_count(state_fa_off: bytes) -> None:
+    for level in ("lossless", "balanced"):
+        one = lcg.encode(state_fa_off, level, threads=1)
+        assert lcg.encode(state_fa_off, level, threads=2) == one == lcg.encode(state_fa_off, level, threads=7)
+        assert lcg.decode(one, threads=1) == lcg.decode(one, threads=3)
+
+
+def test_any_buffer_is_accepted_without_copies(state_fa_off: bytes) -> None:
+    ref = lcg.encode(state_fa_off, "compact")
+    as_ctypes = (ctypes.c_uint8 * len(state_fa_off)).from_buffer_copy(state_fa_off)
+    for buf in (bytearray(state_fa_off), memoryview(state_fa_off), np.frombuffer(state_fa_off, np.uint8), as_ctypes):
+        assert lcg.encode(buf, "compact") == ref
+    assert lcg.decode(memoryview(ref)) == lcg.decode(ref)
+
+
+def test_user_meta_travels_checksummed(state_fa_off: bytes) -> None:
+    meta = b'{"model": "smollm2"}' + bytes(range(256))
+    blob = lcg.encode(state_fa_off, "compact", user_meta=meta)
+    assert lcg.user_meta(blob) == meta
+    assert lcg.user_meta(lcg.encode(state_fa_off, "compact")) == b""
+    assert lcg.inspect(blob)["sections"]["user_meta"] == len(meta)
+
+
+def test_inspect_reports_layout_and_sizes(state_fa_off: bytes) -> None:
+    blob = lcg.encode(state_fa_off, "balanced")
+    info = lcg.inspect(blob)
+    assert info["level"] == "balanced" and info["kind"] == "seq_buffer"
+    assert (info["layers"], info["cells"], info["tensors"]) == (30, PREFIX, 60)
+    assert info["kv_bytes"] == 30 * 2 * PREFIX * 192 * 2
+    assert sum(info["sections"].values()) + 48 + 32 * (60 + 2) == len(blob) == info["container_size"]
+    assert info["ratio"] == pytest.approx(len(state_fa_off) / len(blob))
+
+
+def test_versions_are_pinned() -> None:
+    assert lcg.version() == (100, 1)
