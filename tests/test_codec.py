@@ -58,6 +58,7 @@ def _states(model_path: Path, tokens: list[int]) -> dict[str, bytes]:
         llm = multi_seq_llama(model_path, 2, unified, n_ctx=512, logits_all=False)
         llm.eval(tokens[:60])
         copy_seq(llm, 0, 1)
+        llm.eval(tokens[60:62])  # a decode applies pending copies between streams
         out[name] = full_state(llm)
         if not unified:
             out["seq_of_stream_1"] = seq_state(llm, 1)

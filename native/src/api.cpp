@@ -92,9 +92,10 @@ int lcg_encode(const void * state, size_t state_size, const lcg_encode_params * 
         opt.state_kind = p.state_kind;
         opt.n_threads = p.n_threads;
         opt.knobs = level_knobs(p.level);
-        if (p.k_step >= 0.0f) opt.knobs.k_step = p.k_step;
-        if (p.v_step >= 0.0f) opt.knobs.v_step = p.v_step;
-        if (p.first_layer_scale >= 0.0f) opt.knobs.first_layer_scale = p.first_layer_scale;
+        // Negative takes the preset; anything else (NaN included) is the caller's and gets checked.
+        if (!(p.k_step < 0.0f)) opt.knobs.k_step = p.k_step;
+        if (!(p.v_step < 0.0f)) opt.knobs.v_step = p.v_step;
+        if (!(p.first_layer_scale < 0.0f)) opt.knobs.first_layer_scale = p.first_layer_scale;
         if (p.n_sink_tokens >= 0) opt.knobs.n_sink_tokens = p.n_sink_tokens;
         if (p.level != LCG_LEVEL_LOSSLESS) {
             LCG_CHECK(knob_ok(opt.knobs.k_step, 1e-4f, 64.0f) && knob_ok(opt.knobs.v_step, 1e-4f, 64.0f),

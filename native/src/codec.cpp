@@ -11,6 +11,8 @@ namespace {
 
 constexpr uint8_t GROUP_LOSSLESS = 0;  // byte planes of each unit, entropy coded
 constexpr uint8_t GROUP_LOSSY = 1;     // quantized channels
+constexpr uint8_t PLANE_RANS = 0;      // a lossless byte plane: entropy coded
+constexpr uint8_t PLANE_STORED = 1;    // ... or stored as is, when coding would not make it smaller
 constexpr uint32_t TENSOR_DESC_BYTES = 32;
 constexpr uint32_t MAX_GROUP = 32;
 constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;
@@ -65,8 +67,18 @@ void encode_lossless_group(const uint8_t * base, const TensorDesc & t, uint32_t 
         }
         rans::Table table;
         rans::build_table(counts, table);
-        rans::write_table(w, table);
-        rans::encode_lanes(sym.data(), n, gn, table, w);
+        ByteWriter coded;
+        rans::write_table(coded, table);
+        rans::encode_lanes(sym.data(), n, gn, table, coded);
+        // Mantissa bytes are close to uniform: their table and lane states would cost more than
+        // they save on short contexts.
+        if (coded.buf.size() < n * gn) {
+            w.u8(PLANE_RANS);
+            w.put(coded.buf.data(), coded.buf.size());
+        } else {
+            w.u8(PLANE_STORED);
+            w.put(sym.data(), n * gn);
+        }
     }
 }
 
@@ -180,12 +192,22 @@ bool encode_lossy_group(const uint8_t * base, const TensorDesc & t, uint32_t u0,
 void decode_lossless_group(ByteReader & r, const TensorDesc & t, uint32_t u0, uint32_t gn, uint8_t * base) {
     const Strides st(t);
     for (uint32_t b = 0; b < t.unit_bytes; b++) {
+        uint8_t * first = base + u0 * st.unit + b;
+        auto put = [&](size_t i, uint32_t j, uint8_t s) { first[i * st.cell + j * st.unit] = s; };
+        const uint8_t mode = r.u8();
+        if (mode == PLANE_STORED) {
+            const uint8_t * stored = r.take(static_cast<size_t>(t.n_cells) * gn);
+            for (size_t i = 0; i < t.n_cells; i++) {
+                for (uint32_t j = 0; j < gn; j++) {
+                    put(i, j, stored[i * gn + j]);
+                }
+            }
+            continue;
+        }
+        LCG_CHECK(mode == PLANE_RANS, LCG_ERR_CORRUPT, "byte plane mode %u", mode);
         rans::Table table;
         rans::read_table(r, table);
-        uint8_t * first = base + u0 * st.unit + b;
-        rans::decode_lanes(r, table, t.n_cells, gn, [&](size_t i, uint32_t j, uint8_t s) {
-            first[i * st.cell + j * st.unit] = s;
-        });
+        rans::decode_lanes(r, table, t.n_cells, gn, put);
     }
 }
 

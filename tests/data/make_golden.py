@@ -1,0 +1,19 @@
+"""Writes the golden containers of tests/test_bad_input.py. Run once per container format version:
+files of older versions are kept and must keep decoding (python tests/data/make_golden.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+
+import llama_cachegen as lcg  # noqa: E402
+from test_bad_input import golden_state  # noqa: E402
+
+version = lcg.version()[1]
+for level in ("lossless", "balanced"):
+    blob = lcg.encode(golden_state(), level, threads=1)
+    (HERE / f"golden-v{version}-{level}.lcg").write_bytes(blob)
+    (HERE / f"golden-v{version}-{level}.state").write_bytes(lcg.decode(blob))
