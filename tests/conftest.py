@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from llama_cachegen import quality
 from llama_cachegen.model import default_model_path, sample_text
 

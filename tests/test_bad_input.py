@@ -6,11 +6,10 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import llama_cachegen as lcg
 import numpy as np
 import pytest
 from conftest import full_buffer, kv_cache_bytes, seq_buffer, seq_file, session_file
-
-import llama_cachegen as lcg
 from llama_cachegen import quality
 
 HEADER = 48
@@ -228,7 +227,8 @@ def test_non_finite_values_fall_back_to_lossless() -> None:
 # ---- golden files -------------------------------------------------------------------------------
 
 def golden_state() -> bytes:
-    return seq_buffer(kv_cache_bytes(np.random.default_rng(2024), n_layer=2, n_embd=32, cells_per_stream=(16,)))
+    rng = np.random.default_rng(2024)
+    return seq_buffer(kv_cache_bytes(rng, n_layer=2, n_embd=32, cells_per_stream=(16,)))
 
 
 @pytest.mark.parametrize("level", ["lossless", "balanced"])

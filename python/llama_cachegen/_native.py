@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import importlib.resources
 import sys
+from pathlib import Path
 
 import cffi
 
 from .errors import STATUS_EXCEPTIONS, CacheGenError, InternalError
 
-_LIB_NAMES = {"linux": "libllama_cachegen.so", "darwin": "libllama_cachegen.dylib", "win32": "llama_cachegen.dll"}
+_LIB_NAMES = {
+    "linux": "libllama_cachegen.so",
+    "darwin": "libllama_cachegen.dylib",
+    "win32": "llama_cachegen.dll",
+}
 
 
 def _package_file(name: str) -> str:
@@ -27,7 +32,7 @@ def _package_file(name: str) -> str:
 
 
 def _cdef_from_header(header: str) -> str:
-    text = open(header, encoding="utf-8").read()
+    text = Path(header).read_text(encoding="utf-8")
     begin, end = text.index("/* cffi-begin */"), text.index("/* cffi-end */")
     return text[begin:end].replace("LCG_API ", "")
 
