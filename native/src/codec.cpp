@@ -97,11 +97,26 @@ struct Escape {
 };
 
 // Returns false (writing nothing) when the group holds a non-finite value: it is coded losslessly.
+template <int32_t TYPE>
+void load_group(const uint8_t * base, const Strides & st, size_t n, uint32_t u0, uint32_t gn, float * out) {
+    for (size_t i = 0; i < n; i++) {
+        const uint8_t * cell = base + i * st.cell + u0 * st.unit;
+        for (uint32_t g = 0; g < gn; g++) {
+            out[i * gn + g] = load_float(cell + g * st.unit, TYPE);
+        }
+    }
+}
+
 bool encode_lossy_group(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32_t gn, float rel_step,
                         const std::vector<uint8_t> & is_sink, std::vector<uint8_t> & sym, ByteWriter & w) {
     const Strides st(t);
     const size_t n = t.n_cells;
-    const int32_t type = t.ggml_type;
+    std::vector<float> values(n * gn);
+    switch (t.ggml_type) {
+        case GGML_F16: load_group<GGML_F16>(base, st, n, u0, gn, values.data()); break;
+        case GGML_BF16: load_group<GGML_BF16>(base, st, n, u0, gn, values.data()); break;
+        default: load_group<GGML_F32>(base, st, n, u0, gn, values.data()); break;
+    }
     double sum[MAX_GROUP] = {0}, sum_sq[MAX_GROUP] = {0};
     uint64_t count = 0;
     for (size_t i = 0; i < n; i++) {
@@ -109,10 +124,10 @@ bool encode_lossy_group(const uint8_t * base, const TensorDesc & t, uint32_t u0,
             continue;
         }
         count++;
+        const float * v = &values[i * gn];
         for (uint32_t g = 0; g < gn; g++) {
-            const double x = load_float(base + st.at(i, u0 + g), type);
-            sum[g] += x;
-            sum_sq[g] += x * x;
+            sum[g] += v[g];
+            sum_sq[g] += static_cast<double>(v[g]) * v[g];
         }
     }
     // One step for the whole group, from its RMS channel deviation: equal error in every channel
@@ -135,23 +150,25 @@ bool encode_lossy_group(const uint8_t * base, const TensorDesc & t, uint32_t u0,
         mean[g] = f16_to_f32(cq[g].mean_f16);
         inv_step[g] = 1.0f / f16_to_f32(cq[g].step_f16);
     }
+    // Four histograms and four partial sums break the store-to-load chains of runs of equal
+    // symbols (most of them are 128).
     std::vector<Escape> escapes;
-    uint32_t counts[256] = {0};
-    double shrink_sum = 0.0;
+    uint32_t counts4[4][256] = {{0}};
+    double shrink_part[4] = {0, 0, 0, 0};
     uint64_t shrink_count = 0;
     for (size_t i = 0; i < n; i++) {
         uint8_t * out = &sym[i * gn];
         if (is_sink[i]) {
             std::memset(out, SYM_ZERO, gn);
-            counts[SYM_ZERO] += gn;
+            counts4[0][SYM_ZERO] += gn;
             continue;
         }
+        const float * v = &values[i * gn];
         for (uint32_t g = 0; g < gn; g++) {
-            const float x = load_float(base + st.at(i, u0 + g), type);
-            const float r = (x - mean[g]) * inv_step[g];
+            const float r = (v[g] - mean[g]) * inv_step[g];
             const int64_t q = round_q(r);
             if (q != 0) {
-                shrink_sum += static_cast<double>(std::abs(q)) - std::fabs(r);
+                shrink_part[g & 3] += static_cast<double>(std::abs(q)) - std::fabs(r);
                 shrink_count++;
             }
             uint8_t s = static_cast<uint8_t>(q + SYM_ZERO);
@@ -160,9 +177,14 @@ bool encode_lossy_group(const uint8_t * base, const TensorDesc & t, uint32_t u0,
                 escapes.push_back({g, static_cast<uint32_t>(i), q});
             }
             out[g] = s;
-            counts[s]++;
+            counts4[g & 3][s]++;
         }
     }
+    uint32_t counts[256];
+    for (int k = 0; k < 256; k++) {
+        counts[k] = counts4[0][k] + counts4[1][k] + counts4[2][k] + counts4[3][k];
+    }
+    const double shrink_sum = shrink_part[0] + shrink_part[1] + shrink_part[2] + shrink_part[3];
     // Values of a bin lie closer to zero than its centre on average (peaked distributions):
     // the decoder reconstructs |q| - shrink, with the group's measured mean offset.
     const double shrink = shrink_count ? shrink_sum / static_cast<double>(shrink_count) : 0.0;

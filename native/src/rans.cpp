@@ -135,33 +135,38 @@ void encode_lanes(const uint8_t * symbols, size_t n, uint32_t n_lanes, const Tab
             enc[s] = enc_symbol(t.cum[s], t.freq[s]);
         }
     }
-    // Each lane is coded into its own word buffer (backwards), then laid out forwards.
-    std::vector<std::vector<uint16_t>> words(n_lanes);
-    std::vector<uint32_t> final_state(n_lanes);
+    // Each lane fills its own region of one word buffer from the back (a symbol emits at most one
+    // word), so that the words end up in the order the decoder reads them. Lanes advance together
+    // for instruction-level parallelism.
+    const size_t cap = n + 1;
+    std::vector<uint16_t> words(cap * n_lanes);
+    uint16_t * ptr[MAX_LANES];
+    uint32_t x[MAX_LANES];
     for (uint32_t j = 0; j < n_lanes; j++) {
-        std::vector<uint16_t> & out = words[j];
-        out.reserve(n / 2 + 4);
-        uint32_t x = STATE_LOW;
-        for (size_t i = n; i-- > 0;) {
-            const uint8_t s = symbols[i * n_lanes + j];
-            const EncSymbol & e = enc[s];
-            if (x >= e.x_max) {
-                out.push_back(static_cast<uint16_t>(x));
-                x >>= 16;
+        ptr[j] = words.data() + cap * (j + 1);
+        x[j] = STATE_LOW;
+    }
+    for (size_t i = n; i-- > 0;) {
+        const uint8_t * row = symbols + i * n_lanes;
+        for (uint32_t j = 0; j < n_lanes; j++) {
+            const EncSymbol & e = enc[row[j]];
+            uint32_t xj = x[j];
+            if (xj >= e.x_max) {
+                *--ptr[j] = static_cast<uint16_t>(xj);
+                xj >>= 16;
             }
-            const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(x) * e.rcp_freq) >> 32) >> e.rcp_shift;
-            x = x + e.bias + q * e.cmpl_freq;
+            const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(xj) * e.rcp_freq) >> 32) >> e.rcp_shift;
+            x[j] = xj + e.bias + q * e.cmpl_freq;
         }
-        final_state[j] = x;
     }
     for (uint32_t j = 0; j < n_lanes; j++) {
-        w.varint(4 + 2 * words[j].size());
+        const size_t n_words = static_cast<size_t>(words.data() + cap * (j + 1) - ptr[j]);
+        w.varint(4 + 2 * n_words);
     }
     for (uint32_t j = 0; j < n_lanes; j++) {
-        w.u32(final_state[j]);
-        for (size_t k = words[j].size(); k-- > 0;) {
-            w.u16(words[j][k]);
-        }
+        const size_t n_words = static_cast<size_t>(words.data() + cap * (j + 1) - ptr[j]);
+        w.u32(x[j]);
+        w.put(ptr[j], 2 * n_words);
     }
 }
 
