@@ -225,3 +225,26 @@ def test_inspect_reports_layout_and_sizes(state_fa_off: bytes) -> None:
 
 def test_versions_are_pinned() -> None:
     assert lcg.version() == (100, 1)
+
+
+def test_simd_and_scalar_paths_write_the_same_bytes(state_fa_off: bytes, tmp_path: Path) -> None:
+    """LCG_NO_SIMD=1 (read when the library loads) forces the scalar reference paths."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "state.bin"
+    src.write_bytes(state_fa_off)
+    script = (
+        "import sys, llama_cachegen as l; s = open(sys.argv[1], 'rb').read(); "
+        "sys.stdout.buffer.write(l.encode(s, sys.argv[2], threads=2))"
+    )
+    for level in ("balanced", "compact"):
+        scalar = subprocess.run(
+            [sys.executable, "-c", script, str(src), level],
+            env=os.environ | {"LCG_NO_SIMD": "1"},
+            capture_output=True,
+            check=True,
+        ).stdout
+        assert scalar == lcg.encode(state_fa_off, level)
+        assert lcg.decode(scalar) == lcg.decode(lcg.encode(state_fa_off, level))

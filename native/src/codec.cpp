@@ -16,7 +16,6 @@ constexpr uint8_t PLANE_STORED = 1;    // ... or stored as is, when coding would
 constexpr uint32_t TENSOR_DESC_BYTES = 32;
 constexpr uint32_t MAX_GROUP = 32;
 constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;
-constexpr float MAX_Q = 1e9f;
 
 // Channels sharing one frequency table: enough symbols per table (~16K) that its bytes stay
 // small, but no more channels than that (each lane is one channel).
@@ -82,23 +81,14 @@ void encode_lossless_group(const uint8_t * base, const TensorDesc & t, uint32_t 
     }
 }
 
-// Rounds to nearest even without a libm call: exact for |v| < 2^22.
-inline int64_t round_q(float v) {
-    if (std::fabs(v) < 4194304.0f) {
-        return static_cast<int64_t>((v + 12582912.0f) - 12582912.0f);
-    }
-    return static_cast<int64_t>(std::nearbyint(std::clamp(v, -MAX_Q, MAX_Q)));
-}
-
-struct Escape {
-    uint32_t lane;
-    uint32_t cell;
-    int64_t q;
-};
-
-// Returns false (writing nothing) when the group holds a non-finite value: it is coded losslessly.
 template <int32_t TYPE>
 void load_group(const uint8_t * base, const Strides & st, size_t n, uint32_t u0, uint32_t gn, float * out) {
+    if (TYPE == GGML_F16 && st.unit == 2) {  // a group's f16 values are contiguous in each row
+        for (size_t i = 0; i < n; i++) {
+            f16_row_to_f32(base + i * st.cell + u0 * 2, gn, out + i * gn);
+        }
+        return;
+    }
     for (size_t i = 0; i < n; i++) {
         const uint8_t * cell = base + i * st.cell + u0 * st.unit;
         for (uint32_t g = 0; g < gn; g++) {
@@ -150,44 +140,31 @@ bool encode_lossy_group(const uint8_t * base, const TensorDesc & t, uint32_t u0,
         mean[g] = f16_to_f32(cq[g].mean_f16);
         inv_step[g] = 1.0f / f16_to_f32(cq[g].step_f16);
     }
-    // Four histograms and four partial sums break the store-to-load chains of runs of equal
-    // symbols (most of them are 128).
     std::vector<Escape> escapes;
+    ShrinkSum shrink_sum;
+    quantize_rows(values.data(), n, gn, mean, inv_step, is_sink.data(), sym.data(), shrink_sum, escapes);
+    // Four histograms break the store-to-load chains of runs of equal symbols (mostly 128).
     uint32_t counts4[4][256] = {{0}};
-    double shrink_part[4] = {0, 0, 0, 0};
-    uint64_t shrink_count = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint8_t * out = &sym[i * gn];
-        if (is_sink[i]) {
-            std::memset(out, SYM_ZERO, gn);
-            counts4[0][SYM_ZERO] += gn;
-            continue;
-        }
-        const float * v = &values[i * gn];
-        for (uint32_t g = 0; g < gn; g++) {
-            const float r = (v[g] - mean[g]) * inv_step[g];
-            const int64_t q = round_q(r);
-            if (q != 0) {
-                shrink_part[g & 3] += static_cast<double>(std::abs(q)) - std::fabs(r);
-                shrink_count++;
-            }
-            uint8_t s = static_cast<uint8_t>(q + SYM_ZERO);
-            if (q < -Q_MAX || q > Q_MAX) {
-                s = SYM_ESCAPE;
-                escapes.push_back({g, static_cast<uint32_t>(i), q});
-            }
-            out[g] = s;
-            counts4[g & 3][s]++;
-        }
+    const size_t n_sym = n * gn;
+    size_t k = 0;
+    for (; k + 4 <= n_sym; k += 4) {
+        counts4[0][sym[k]]++;
+        counts4[1][sym[k + 1]]++;
+        counts4[2][sym[k + 2]]++;
+        counts4[3][sym[k + 3]]++;
+    }
+    for (; k < n_sym; k++) {
+        counts4[0][sym[k]]++;
     }
     uint32_t counts[256];
-    for (int k = 0; k < 256; k++) {
-        counts[k] = counts4[0][k] + counts4[1][k] + counts4[2][k] + counts4[3][k];
+    for (int s = 0; s < 256; s++) {
+        counts[s] = counts4[0][s] + counts4[1][s] + counts4[2][s] + counts4[3][s];
     }
-    const double shrink_sum = shrink_part[0] + shrink_part[1] + shrink_part[2] + shrink_part[3];
     // Values of a bin lie closer to zero than its centre on average (peaked distributions):
     // the decoder reconstructs |q| - shrink, with the group's measured mean offset.
-    const double shrink = shrink_count ? shrink_sum / static_cast<double>(shrink_count) : 0.0;
+    const double shrink = shrink_sum.count
+                              ? static_cast<double>(shrink_sum.fixed) / 65536.0 / static_cast<double>(shrink_sum.count)
+                              : 0.0;
     const uint8_t shrink_u8 = static_cast<uint8_t>(std::clamp(std::lround(shrink * 256.0), 0L, 127L));
     w.u8(GROUP_LOSSY);
     w.u8(shrink_u8);

@@ -1,6 +1,11 @@
 #include "quantize.h"
 
 #include <cmath>
+#include <cstdlib>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace lcg {
 
@@ -60,6 +65,142 @@ void build_dequant(const ChannelQuant & cq, int32_t ggml_type, DequantTable & t)
         uint8_t bytes[4] = {0, 0, 0, 0};
         store_float(bytes, ggml_type, v);
         std::memcpy(&t.value[s], bytes, 4);
+    }
+}
+
+namespace {
+
+// Rounds to nearest even without a libm call: exact for |v| < 2^22.
+inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
+
+void quantize_value(float r, uint32_t lane, uint32_t cell, uint8_t & s, ShrinkSum & shrink,
+                    std::vector<Escape> & escapes) {
+    const float a = std::fabs(r);
+    if (a < 127.5f) {
+        const float qf = round_even(r);
+        s = static_cast<uint8_t>(static_cast<int32_t>(qf) + SYM_ZERO);
+        if (qf != 0.0f) {
+            shrink.fixed += static_cast<int32_t>(round_even((std::fabs(qf) - a) * 65536.0f));
+            shrink.count++;
+        }
+        return;
+    }
+    const float clamped = std::min(a, 1e9f);
+    const int64_t q = static_cast<int64_t>(std::nearbyint(r < 0 ? -clamped : clamped));
+    s = SYM_ESCAPE;
+    escapes.push_back({lane, cell, q});
+    shrink.fixed += static_cast<int64_t>(std::nearbyint((static_cast<double>(std::llabs(q)) - a) * 65536.0));
+    shrink.count++;
+}
+
+void quantize_rows_scalar(const float * values, size_t n, uint32_t gn, const float * mean, const float * inv_step,
+                          const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink, std::vector<Escape> & escapes) {
+    for (size_t i = 0; i < n; i++) {
+        uint8_t * out = sym + i * gn;
+        if (skip[i]) {
+            std::memset(out, SYM_ZERO, gn);
+            continue;
+        }
+        const float * v = values + i * gn;
+        for (uint32_t g = 0; g < gn; g++) {
+            quantize_value((v[g] - mean[g]) * inv_step[g], g, static_cast<uint32_t>(i), out[g], shrink, escapes);
+        }
+    }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void quantize_rows_avx2(const float * values, size_t n, uint32_t gn,
+                                                         const float * mean, const float * inv_step,
+                                                         const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink,
+                                                         std::vector<Escape> & escapes) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 limit = _mm256_set1_ps(127.5f);
+    const __m256 fixed_scale = _mm256_set1_ps(65536.0f);
+    const __m256i bias = _mm256_set1_epi32(SYM_ZERO);
+    // byte 0 of each 32-bit lane to the front of its 128-bit half, then the two halves together
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i join = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
+    __m256i acc = _mm256_setzero_si256();
+    uint64_t count = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint8_t * out = sym + i * gn;
+        if (skip[i]) {
+            std::memset(out, SYM_ZERO, gn);
+            continue;
+        }
+        const float * v = values + i * gn;
+        for (uint32_t g = 0; g < gn; g += 8) {
+            const __m256 r = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + g), _mm256_loadu_ps(mean + g)),
+                                           _mm256_loadu_ps(inv_step + g));
+            const __m256 a = _mm256_andnot_ps(sign, r);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(a, limit, _CMP_NLT_UQ))) {
+                for (uint32_t k = 0; k < 8; k++) {
+                    quantize_value((v[g + k] - mean[g + k]) * inv_step[g + k], g + k, static_cast<uint32_t>(i),
+                                   out[g + k], shrink, escapes);
+                }
+                continue;
+            }
+            const __m256 qf = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(qf), bias);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q, pick), join);
+            _mm_storel_epi64(reinterpret_cast<__m128i *>(out + g), _mm256_castsi256_si128(bytes));
+            const __m256 nonzero = _mm256_cmp_ps(qf, _mm256_setzero_ps(), _CMP_NEQ_OQ);
+            const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_andnot_ps(sign, qf), a), fixed_scale);
+            const __m256i fixed = _mm256_and_si256(
+                _mm256_cvtps_epi32(_mm256_round_ps(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                _mm256_castps_si256(nonzero));
+            acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(fixed)));
+            acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(fixed, 1)));
+            count += static_cast<uint64_t>(__builtin_popcount(_mm256_movemask_ps(nonzero)));
+        }
+    }
+    alignas(32) int64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), acc);
+    shrink.fixed += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    shrink.count += count;
+}
+
+__attribute__((target("avx2,f16c"))) void f16_row_to_f32_f16c(const uint8_t * src, size_t n, float * dst) {
+    size_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src + 2 * k))));
+    }
+    for (; k < n; k++) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * k, 2);
+        dst[k] = f16_to_f32(h);
+    }
+}
+
+// LCG_NO_SIMD=1 forces the scalar paths (tests compare both).
+const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && !std::getenv("LCG_NO_SIMD");
+#endif
+
+} // namespace
+
+void quantize_rows(const float * values, size_t n, uint32_t gn, const float * mean, const float * inv_step,
+                   const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink, std::vector<Escape> & escapes) {
+#if defined(__x86_64__)
+    if (has_avx2 && gn % 8 == 0) {
+        quantize_rows_avx2(values, n, gn, mean, inv_step, skip, sym, shrink, escapes);
+        return;
+    }
+#endif
+    quantize_rows_scalar(values, n, gn, mean, inv_step, skip, sym, shrink, escapes);
+}
+
+void f16_row_to_f32(const uint8_t * src, size_t n, float * dst) {
+#if defined(__x86_64__)
+    if (has_avx2) {
+        f16_row_to_f32_f16c(src, n, dst);
+        return;
+    }
+#endif
+    for (size_t k = 0; k < n; k++) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * k, 2);
+        dst[k] = f16_to_f32(h);
     }
 }
 

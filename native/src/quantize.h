@@ -4,6 +4,8 @@
 
 #include "common.h"
 
+#include <vector>
+
 namespace lcg {
 
 // Symbol alphabet of a lossy group: q in [-127, 127] is symbol q + 128; symbol 0 escapes a
@@ -59,5 +61,28 @@ struct DequantTable {
 };
 void build_dequant(const ChannelQuant & cq, int32_t ggml_type, DequantTable & t);
 float dequant_value(const ChannelQuant & cq, int64_t q);
+
+// A value whose |q| > Q_MAX, coded as SYM_ESCAPE plus q in the group's escape list.
+struct Escape {
+    uint32_t lane;
+    uint32_t cell;
+    int64_t q;
+};
+
+// What quantize_rows measured for the reconstruction offset: sum over q != 0 of |q| - |r| in
+// 1/65536 steps (an integer, so that every code path and thread order gives the same sum).
+struct ShrinkSum {
+    int64_t fixed = 0;
+    uint64_t count = 0;
+};
+
+// Quantizes n rows of gn values (row i = cell i, cell-major) to symbols with q = round(r),
+// r = (value - mean) / step, ties to even. Rows with skip[i] become SYM_ZERO. Uses AVX2 where the
+// CPU has it and gn is a multiple of 8; both paths give the same bytes.
+void quantize_rows(const float * values, size_t n, uint32_t gn, const float * mean, const float * inv_step,
+                   const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink, std::vector<Escape> & escapes);
+
+// Converts n f16 values to float (F16C where the CPU has it).
+void f16_row_to_f32(const uint8_t * src, size_t n, float * dst);
 
 } // namespace lcg
