@@ -163,7 +163,14 @@ void parse_arch(ByteReader & r) {
     }
 }
 
-void parse_tokens(ByteReader & r, ParsedState & st) {
+// 'ggsq' / 'ggsn' files: magic, version, prompt tokens.
+void parse_file_header(ByteReader & r, uint32_t magic, uint32_t version, ParsedState & st) {
+    const char * name = state_kind_name(st.kind);
+    const uint32_t found_magic = r.u32(), found_version = r.u32();
+    LCG_CHECK(found_magic == magic, LCG_ERR_UNSUPPORTED_FORMAT, "%s magic 0x%08x, expected 0x%08x", name,
+              found_magic, magic);
+    LCG_CHECK(found_version == version, LCG_ERR_UNSUPPORTED_FORMAT, "%s version %u; this library reads version %u",
+              name, found_version, version);
     st.n_tokens = r.u32();
     LCG_CHECK(st.n_tokens <= r.remaining() / 4, LCG_ERR_UNSUPPORTED_FORMAT,
               "file declares %u prompt tokens but only %zu bytes follow", st.n_tokens, r.remaining());
@@ -225,25 +232,13 @@ ParsedState parse_state(const uint8_t * data, size_t size, int32_t kind) {
         case LCG_KIND_FULL_BUFFER:
             parse_arch(r);
             break;
-        case LCG_KIND_SEQ_FILE: {
-            const uint32_t magic = r.u32(), version = r.u32();
-            LCG_CHECK(magic == GGSQ_MAGIC, LCG_ERR_UNSUPPORTED_FORMAT, "sequence file magic 0x%08x, expected 'ggsq'",
-                      magic);
-            LCG_CHECK(version == GGSQ_VERSION, LCG_ERR_UNSUPPORTED_FORMAT,
-                      "sequence state file version %u; this library reads version %u", version, GGSQ_VERSION);
-            parse_tokens(r, st);
+        case LCG_KIND_SEQ_FILE:
+            parse_file_header(r, GGSQ_MAGIC, GGSQ_VERSION, st);
             break;
-        }
-        case LCG_KIND_SESSION: {
-            const uint32_t magic = r.u32(), version = r.u32();
-            LCG_CHECK(magic == GGSN_MAGIC, LCG_ERR_UNSUPPORTED_FORMAT, "session file magic 0x%08x, expected 'ggsn'",
-                      magic);
-            LCG_CHECK(version == GGSN_VERSION, LCG_ERR_UNSUPPORTED_FORMAT,
-                      "session file version %u; this library reads version %u", version, GGSN_VERSION);
-            parse_tokens(r, st);
+        case LCG_KIND_SESSION:
+            parse_file_header(r, GGSN_MAGIC, GGSN_VERSION, st);
             parse_arch(r);
             break;
-        }
         default:
             fail(LCG_ERR_INVALID_ARGUMENT, "unknown state kind %d", kind);
     }
