@@ -93,26 +93,19 @@ void quantize_value(float r, uint32_t lane, uint32_t cell, uint8_t & s, ShrinkSu
     shrink.count++;
 }
 
-void quantize_rows_scalar(const float * values, size_t n, uint32_t gn, const float * mean, const float * inv_step,
-                          const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink, std::vector<Escape> & escapes) {
-    for (size_t i = 0; i < n; i++) {
-        uint8_t * out = sym + i * gn;
-        if (skip[i]) {
-            std::memset(out, SYM_ZERO, gn);
-            continue;
-        }
-        const float * v = values + i * gn;
-        for (uint32_t g = 0; g < gn; g++) {
-            quantize_value((v[g] - mean[g]) * inv_step[g], g, static_cast<uint32_t>(i), out[g], shrink, escapes);
-        }
+// One row (cell) of gn values; the scalar reference.
+void quantize_row_scalar(const float * v, uint32_t gn, const float * mean, const float * inv_step, uint32_t cell,
+                         uint8_t * out, ShrinkSum & shrink, std::vector<Escape> & escapes) {
+    for (uint32_t g = 0; g < gn; g++) {
+        quantize_value((v[g] - mean[g]) * inv_step[g], g, cell, out[g], shrink, escapes);
     }
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) void quantize_rows_avx2(const float * values, size_t n, uint32_t gn,
-                                                         const float * mean, const float * inv_step,
-                                                         const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink,
-                                                         std::vector<Escape> & escapes) {
+// The same, 8 values at a time (gn a multiple of 8); blocks holding an escape go the scalar way.
+__attribute__((target("avx2"))) void quantize_row_avx2(const float * v, uint32_t gn, const float * mean,
+                                                        const float * inv_step, uint32_t cell, uint8_t * out,
+                                                        ShrinkSum & shrink, std::vector<Escape> & escapes) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 limit = _mm256_set1_ps(127.5f);
     const __m256 fixed_scale = _mm256_set1_ps(65536.0f);
@@ -122,43 +115,32 @@ __attribute__((target("avx2"))) void quantize_rows_avx2(const float * values, si
                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     const __m256i join = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
     __m256i acc = _mm256_setzero_si256();
-    uint64_t count = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint8_t * out = sym + i * gn;
-        if (skip[i]) {
-            std::memset(out, SYM_ZERO, gn);
+    for (uint32_t g = 0; g < gn; g += 8) {
+        const __m256 r = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + g), _mm256_loadu_ps(mean + g)),
+                                       _mm256_loadu_ps(inv_step + g));
+        const __m256 a = _mm256_andnot_ps(sign, r);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(a, limit, _CMP_NLT_UQ))) {
+            for (uint32_t k = g; k < g + 8; k++) {
+                quantize_value((v[k] - mean[k]) * inv_step[k], k, cell, out[k], shrink, escapes);
+            }
             continue;
         }
-        const float * v = values + i * gn;
-        for (uint32_t g = 0; g < gn; g += 8) {
-            const __m256 r = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + g), _mm256_loadu_ps(mean + g)),
-                                           _mm256_loadu_ps(inv_step + g));
-            const __m256 a = _mm256_andnot_ps(sign, r);
-            if (_mm256_movemask_ps(_mm256_cmp_ps(a, limit, _CMP_NLT_UQ))) {
-                for (uint32_t k = 0; k < 8; k++) {
-                    quantize_value((v[g + k] - mean[g + k]) * inv_step[g + k], g + k, static_cast<uint32_t>(i),
-                                   out[g + k], shrink, escapes);
-                }
-                continue;
-            }
-            const __m256 qf = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(qf), bias);
-            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q, pick), join);
-            _mm_storel_epi64(reinterpret_cast<__m128i *>(out + g), _mm256_castsi256_si128(bytes));
-            const __m256 nonzero = _mm256_cmp_ps(qf, _mm256_setzero_ps(), _CMP_NEQ_OQ);
-            const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_andnot_ps(sign, qf), a), fixed_scale);
-            const __m256i fixed = _mm256_and_si256(
-                _mm256_cvtps_epi32(_mm256_round_ps(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
-                _mm256_castps_si256(nonzero));
-            acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(fixed)));
-            acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(fixed, 1)));
-            count += static_cast<uint64_t>(__builtin_popcount(_mm256_movemask_ps(nonzero)));
-        }
+        const __m256 qf = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(qf), bias);
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q, pick), join);
+        _mm_storel_epi64(reinterpret_cast<__m128i *>(out + g), _mm256_castsi256_si128(bytes));
+        const __m256 nonzero = _mm256_cmp_ps(qf, _mm256_setzero_ps(), _CMP_NEQ_OQ);
+        const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_andnot_ps(sign, qf), a), fixed_scale);
+        const __m256i fixed = _mm256_and_si256(
+            _mm256_cvtps_epi32(_mm256_round_ps(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+            _mm256_castps_si256(nonzero));
+        acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(fixed)));
+        acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(fixed, 1)));
+        shrink.count += static_cast<uint64_t>(__builtin_popcount(_mm256_movemask_ps(nonzero)));
     }
     alignas(32) int64_t lanes[4];
     _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), acc);
     shrink.fixed += lanes[0] + lanes[1] + lanes[2] + lanes[3];
-    shrink.count += count;
 }
 
 __attribute__((target("avx2,f16c"))) void f16_row_to_f32_f16c(const uint8_t * src, size_t n, float * dst) {
@@ -181,13 +163,20 @@ const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("
 
 void quantize_rows(const float * values, size_t n, uint32_t gn, const float * mean, const float * inv_step,
                    const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink, std::vector<Escape> & escapes) {
+    auto row = quantize_row_scalar;
 #if defined(__x86_64__)
     if (has_avx2 && gn % 8 == 0) {
-        quantize_rows_avx2(values, n, gn, mean, inv_step, skip, sym, shrink, escapes);
-        return;
+        row = quantize_row_avx2;
     }
 #endif
-    quantize_rows_scalar(values, n, gn, mean, inv_step, skip, sym, shrink, escapes);
+    for (size_t i = 0; i < n; i++) {
+        uint8_t * out = sym + i * gn;
+        if (skip[i]) {
+            std::memset(out, SYM_ZERO, gn);
+        } else {
+            row(values + i * gn, gn, mean, inv_step, static_cast<uint32_t>(i), out, shrink, escapes);
+        }
+    }
 }
 
 void f16_row_to_f32(const uint8_t * src, size_t n, float * dst) {
