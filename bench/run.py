@@ -135,6 +135,7 @@ def run(cfg: Config, argv: list[str]) -> Path:
         presets.append(
             (level, info["k_step"], info["v_step"], info["first_layer_scale"], info["sink_tokens"])
         )
+    setup.append(("load average at end (1/5/15 min)", _load()))
     results = report.Results(
         cfg, setup, presets, points, speed_rows, cfg.target_len, components, scaling_rows
     )

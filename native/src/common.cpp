@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdarg>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -175,6 +176,13 @@ uint16_t f32_to_bf16(float f) {
     u += 0x7fff + ((u >> 16) & 1);
     return static_cast<uint16_t>(u >> 16);
 }
+
+#if defined(__x86_64__)
+const bool cpu_has_avx2 =
+    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && std::getenv("LCG_NO_SIMD") == nullptr;
+#else
+const bool cpu_has_avx2 = false;
+#endif
 
 // ---- threads ---------------------------------------------------------------------------------
 

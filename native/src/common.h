@@ -102,6 +102,10 @@ inline float bf16_to_f32(uint16_t h) {
 }
 uint16_t f32_to_bf16(float f);
 
+// The CPU has AVX2 and F16C (x86-64), and LCG_NO_SIMD is unset: the SIMD paths may run. They write
+// the same bytes as the scalar ones (tests compare both).
+extern const bool cpu_has_avx2;
+
 // Runs fn(i) for i in [0, n) on up to n_threads threads (<= 0: all cores). Rethrows the first error.
 void parallel_for(size_t n, int n_threads, const std::function<void(size_t)> & fn);
 

@@ -155,8 +155,6 @@ __attribute__((target("avx2,f16c"))) void f16_row_to_f32_f16c(const uint8_t * sr
     }
 }
 
-// LCG_NO_SIMD=1 forces the scalar paths (tests compare both).
-const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && !std::getenv("LCG_NO_SIMD");
 #endif
 
 } // namespace
@@ -165,7 +163,7 @@ void quantize_rows(const float * values, size_t n, uint32_t gn, const float * me
                    const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink, std::vector<Escape> & escapes) {
     auto row = quantize_row_scalar;
 #if defined(__x86_64__)
-    if (has_avx2 && gn % 8 == 0) {
+    if (cpu_has_avx2 && gn % 8 == 0) {
         row = quantize_row_avx2;
     }
 #endif
@@ -181,7 +179,7 @@ void quantize_rows(const float * values, size_t n, uint32_t gn, const float * me
 
 void f16_row_to_f32(const uint8_t * src, size_t n, float * dst) {
 #if defined(__x86_64__)
-    if (has_avx2) {
+    if (cpu_has_avx2) {
         f16_row_to_f32_f16c(src, n, dst);
         return;
     }
