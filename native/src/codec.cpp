@@ -17,10 +17,11 @@ constexpr uint32_t TENSOR_DESC_BYTES = 32;
 constexpr uint32_t MAX_GROUP = 32;
 constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;
 
-// Channels sharing one frequency table (one lane each): the fewest, from 4 up to 32, whose
-// table covers ~16K symbols, so that table bytes stay near 1% of the group.
+// Channels sharing one frequency table (one lane each): the fewest, from 8 up to 32, whose
+// table covers ~16K symbols, so that table bytes stay near 1% of the group. At least 8, so that the
+// decoder's 8-lane blocks and the AVX2 quantizer apply at any context length.
 uint32_t group_size(uint32_t n_cells, uint32_t n_units) {
-    uint32_t g = 4;
+    uint32_t g = 8;
     while (g < MAX_GROUP && static_cast<uint64_t>(g) * n_cells < 16384) {
         g *= 2;
     }
