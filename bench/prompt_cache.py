@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+from common import median_time
 from llama_cachegen import CompressedStateCache
 from llama_cachegen.model import default_model_path, sample_text
 from llama_cpp.llama_cache import LlamaDiskCache
@@ -26,15 +27,6 @@ from llama_cpp.llama_cache import LlamaDiskCache
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _median_seconds(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure(
@@ -48,7 +40,7 @@ def measure(
         def store() -> None:
             cache[prompt] = state
 
-        save_s = _median_seconds(store, repeat)
+        save_s = median_time(store, repeat)
         size = _dir_bytes(folder)
         longer = prompt + [prompt[-1]] * 8
         load_times = []

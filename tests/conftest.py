@@ -3,7 +3,6 @@ for the layouts SmolLM2 cannot produce (cell ext, interleaved SWA, hybrid tails,
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,20 +25,6 @@ def model_path() -> Path:
 def gpl_tokens(model_path: Path) -> list[int]:
     llm = quality.make_llama(model_path, n_ctx=64, logits_all=False)
     return llm.tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)
-
-
-def seq_state(llm: Any, seq_id: int = 0) -> bytes:
-    return quality.seq_state(llm, seq_id)
-
-
-def full_state(llm: Any) -> bytes:
-    import llama_cpp
-
-    ctx = llm._ctx.ctx
-    size = llama_cpp.llama_state_get_size(ctx)
-    buf = (ctypes.c_uint8 * size)()
-    written = llama_cpp.llama_state_get_data(ctx, buf, size)
-    return bytes(memoryview(buf)[:written])
 
 
 def multi_seq_llama(model_path: Path, n_seq_max: int, unified: bool, **kwargs: Any) -> Any:

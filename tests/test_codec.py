@@ -9,8 +9,9 @@ from typing import Any
 import llama_cachegen as lcg
 import numpy as np
 import pytest
-from conftest import copy_seq, full_state, multi_seq_llama, seq_state
+from conftest import copy_seq, multi_seq_llama
 from llama_cachegen import quality
+from llama_cachegen.llama import capture_state
 
 PREFIX = 384
 CONT = 96
@@ -58,9 +59,9 @@ def _states(model_path: Path, tokens: list[int]) -> dict[str, bytes]:
         llm.eval(tokens[:60])
         copy_seq(llm, 0, 1)
         llm.eval(tokens[60:62])  # a decode applies pending copies between streams
-        out[name] = full_state(llm)
+        out[name] = capture_state(llm, None)
         if not unified:
-            out["seq_of_stream_1"] = seq_state(llm, 1)
+            out["seq_of_stream_1"] = capture_state(llm, 1)
     llm = quality.make_llama(model_path, n_ctx=256, logits_all=False)
     llm.eval(tokens[:80])
     return out | _files(llm, tokens[:80], llama_cpp)

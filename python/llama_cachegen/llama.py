@@ -211,7 +211,7 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any]) -> None:
         raise ModelMismatchError("state does not fit this model/context: " + "; ".join(diffs))
 
 
-def _capture(llm: llama_cpp.Llama, seq_id: int | None) -> bytes:
+def capture_state(llm: llama_cpp.Llama, seq_id: int | None) -> bytes:
     """The llama.cpp state of the whole context (seq_id None) or of one sequence."""
     ctx = llm.ctx
     if seq_id is None:
@@ -227,7 +227,8 @@ def _capture(llm: llama_cpp.Llama, seq_id: int | None) -> bytes:
     return ctypes.string_at(buf, n)
 
 
-def _restore(llm: llama_cpp.Llama, state: bytes | bytearray, seq_id: int | None) -> bool:
+def restore_state(llm: llama_cpp.Llama, state: bytes | bytearray, seq_id: int | None) -> bool:
+    """llama_state_set_data (seq_id None) or llama_state_seq_set_data; False if llama.cpp refuses."""
     # no copy either way: point at the bytes object's storage, or wrap the writable buffer
     if isinstance(state, bytes):
         src = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
@@ -288,7 +289,7 @@ def save_compressed_state(
     `tokens` for a sequence filled by other means. Returns where the state went.
     """
     _seq_id_ok(llm, seq_id)
-    state = _capture(llm, seq_id)
+    state = capture_state(llm, seq_id)
     meta = capture_meta(llm, seq_id, tokens)
     kind = "full_buffer" if seq_id is None else "seq_buffer"
     blob = codec.encode(state, level, threads=threads, kind=kind, user_meta=meta.pack())
@@ -332,9 +333,9 @@ def load_compressed_state(
         )
     state = codec.decode(blob, threads=threads)
     t2 = time.perf_counter()
-    backup = _capture(llm, target)
-    if not _restore(llm, state, target):
-        restored = _restore(llm, backup, target)
+    backup = capture_state(llm, target)
+    if not restore_state(llm, state, target):
+        restored = restore_state(llm, backup, target)
         raise ModelMismatchError(
             "llama.cpp refused the state (see its log: KV layout, V transposition/flash attention, "
             "or no room for the cells); "

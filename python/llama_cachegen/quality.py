@@ -7,7 +7,6 @@ perplexity difference).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -73,32 +72,22 @@ def clear_context(llm: Any) -> None:
     llm.n_tokens = 0
 
 
-def seq_state(llm: Any, seq_id: int = 0) -> bytes:
-    """llama_state_seq_get_data of one sequence."""
-    import llama_cpp
-
-    ctx = llm._ctx.ctx
-    size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
-    buf = (ctypes.c_uint8 * size)()
-    written = llama_cpp.llama_state_seq_get_data(ctx, buf, size, seq_id)
-    return bytes(memoryview(buf)[:written])
-
-
-def load_seq_state(llm: Any, state: bytes, seq_id: int = 0) -> None:
+def load_seq_state(llm: Any, state: bytes | bytearray, seq_id: int = 0) -> None:
     """llama_state_seq_set_data into an emptied context; raises if llama.cpp refuses it."""
-    import llama_cpp
+    from .llama import restore_state
 
     clear_context(llm)
-    buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-    if llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, buf, len(state), seq_id) != len(state):
+    if not restore_state(llm, state, seq_id):
         raise RuntimeError("llama.cpp refused the sequence state (llama_state_seq_set_data returned 0)")
 
 
 def state_of(llm: Any, tokens: Sequence[int]) -> bytes:
     """Evaluates `tokens` from an empty context and returns sequence 0's state."""
+    from .llama import capture_state
+
     clear_context(llm)
     llm.eval(list(tokens))
-    return seq_state(llm, 0)
+    return capture_state(llm, 0)
 
 
 def continuation_logits(
