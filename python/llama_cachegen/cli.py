@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from . import codec
-from .errors import CacheGenError, NotAContainerError
+from .errors import CacheGenError, InvalidArgumentError, NotAContainerError
 from .stores import read_url, write_url
 
 DEMO_QUESTION = "\n\nQuestion: What is the name of the license above?\nAnswer:"
@@ -187,7 +189,30 @@ def _demo(args: argparse.Namespace) -> int:
 # --- compress / decompress / inspect ---------------------------------------------------------
 
 
+def _same_object(a: str, b: str) -> bool:
+    """True when two paths or URLs name one object (for local files: the same file on disk)."""
+    from .stores import is_local, split_url
+    from .stores.file import path_of
+
+    if is_local(a) != is_local(b):
+        return False
+    if not is_local(a):
+        return split_url(a) == split_url(b)
+    pa, pb = path_of(a), path_of(b)
+    if pa.exists() and pb.exists():
+        return os.path.samefile(pa, pb)
+    return pa.resolve() == pb.resolve()
+
+
+def _check_output(args: argparse.Namespace) -> None:
+    if not args.force and _same_object(str(args.input), str(args.output)):
+        raise InvalidArgumentError(
+            f"{args.output} is the input too: give another output, or --force to replace the input"
+        )
+
+
 def _compress(args: argparse.Namespace) -> int:
+    _check_output(args)
     data = read_url(args.input)
     start = time.perf_counter()
     blob = codec.encode(data, args.level, kind=args.kind, threads=args.threads)
@@ -213,6 +238,7 @@ def _compress(args: argparse.Namespace) -> int:
 
 
 def _decompress(args: argparse.Namespace) -> int:
+    _check_output(args)
     blob = read_url(args.input)
     start = time.perf_counter()
     data = codec.decode(blob, threads=args.threads)
@@ -363,60 +389,103 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .stores.http import serve
+    from .stores.http import load_token, serve
 
-    serve(args.dir, args.host, args.port, verbose=args.verbose)
+    limits = {k: v for k, v in (("max_body", args.max_body), ("body_timeout", args.body_timeout)) if v}
+    token = load_token(args.token_file)
+    serve(args.dir, args.host, args.port, token=token, private=args.private, verbose=args.verbose, **limits)
     return 0
+
+
+# --- arguments -------------------------------------------------------------------------------
+
+
+def _number(kind: type[int] | type[float], low: float, what: str) -> Callable[[str], Any]:
+    """An argparse type: a finite `kind` of at least `low`."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}") from None
+        if not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    return parse
+
+
+_COUNT = _number(int, 1, "a positive integer")
+_SECONDS = _number(float, 1e-3, "a positive number of seconds")
+
+
+def _port(text: str) -> int:
+    port = _number(int, 0, "a port number (0-65535)")(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text}")
+    return int(port)
+
+
+def _llama_args(p: argparse.ArgumentParser, tokens: int) -> None:
+    p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument(
+        "--text", default="gpl-3.0.txt", help="a text file or a bundled text (default: %(default)s)"
+    )
+    p.add_argument("--tokens", type=_COUNT, default=tokens, help="context tokens (default: %(default)s)")
+    _threads_arg(p)
+
+
+def _threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        type=_COUNT,
+        default=min(os.cpu_count() or 1, 8),
+        help="CPU threads (default: %(default)s)",
+    )
+
+
+def _worker_parser() -> argparse.ArgumentParser:
+    """One process of the demo (`_demo-worker`): internal, so not among the commands of --help."""
+    p = argparse.ArgumentParser(prog="llama-cachegen _demo-worker")
+    _llama_args(p, 1536)
+    for flag in ("--role", "--object", "--level"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--n-ctx", type=_COUNT, required=True)
+    p.add_argument("--max-tokens", type=_COUNT, required=True)
+    p.set_defaults(func=_demo_worker, command="_demo-worker")
+    return p
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-cachegen", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    threads = {
-        "type": int,
-        "default": min(os.cpu_count() or 1, 8),
-        "help": "CPU threads (default: %(default)s)",
-    }
     levels = list(codec.LEVELS)
 
-    def llama_args(p: argparse.ArgumentParser, tokens: int) -> None:
-        p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
-        p.add_argument(
-            "--text", default="gpl-3.0.txt", help="a text file or a bundled text (default: %(default)s)"
-        )
-        p.add_argument("--tokens", type=int, default=tokens, help="context tokens (default: %(default)s)")
-        p.add_argument("--threads", **threads)
-
     p = sub.add_parser("demo", help="prefill in one process, load compressed in another, compare answers")
-    llama_args(p, 1536)
-    p.add_argument("--n-ctx", type=int, default=2048)
+    _llama_args(p, 1536)
+    p.add_argument("--n-ctx", type=_COUNT, default=2048)
     p.add_argument("--level", choices=levels, default="balanced")
     p.add_argument("--store", help="store URL for the state (default: a folder in the cache directory)")
-    p.add_argument("--max-tokens", type=int, default=10, help="answer length in tokens")
+    p.add_argument("--max-tokens", type=_COUNT, default=10, help="answer length in tokens")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("_demo-worker")  # one process of the demo; not for direct use
-    llama_args(p, 1536)
-    for flag in ("--role", "--object", "--level"):
-        p.add_argument(flag, required=True)
-    p.add_argument("--n-ctx", type=int, required=True)
-    p.add_argument("--max-tokens", type=int, required=True)
-    p.set_defaults(func=_demo_worker)
-
+    force = "replace OUTPUT even when it is INPUT (written atomically: the input stays whole until then)"
     p = sub.add_parser("compress", help="compress a llama.cpp state file (any supported kind)")
     p.add_argument("input", help="state file: path or store URL")
     p.add_argument("output", help="container: path or store URL")
     p.add_argument("--level", choices=levels, default="balanced")
     p.add_argument("--kind", choices=list(codec.KINDS), default="auto")
-    p.add_argument("--threads", **threads)
+    _threads_arg(p)
+    p.add_argument("--force", action="store_true", help=force)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_compress)
 
     p = sub.add_parser("decompress", help="restore the llama.cpp state bytes of a container")
     p.add_argument("input")
     p.add_argument("output")
-    p.add_argument("--threads", **threads)
+    _threads_arg(p)
+    p.add_argument("--force", action="store_true", help=force)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_decompress)
 
@@ -427,8 +496,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("eval", help="quality and size per level, vs llama.cpp's quantized cache types")
-    llama_args(p, 1024)
-    p.add_argument("--cont", type=int, default=256, help="teacher-forced continuation tokens")
+    _llama_args(p, 1024)
+    p.add_argument("--cont", type=_COUNT, default=256, help="teacher-forced continuation tokens")
     p.add_argument("--levels", nargs="+", choices=levels, default=levels)
     p.add_argument("--cache-types", nargs="*", default=["q8_0", "q4_0"], help="llama.cpp KV types to compare")
     p.add_argument("--json", action="store_true")
@@ -437,16 +506,36 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a directory as an HTTP store (GET/PUT/HEAD/DELETE)")
     p.add_argument("--dir", required=True)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on stderr)")
+    p.add_argument("--port", type=_port, default=8080, help="0 picks a free port (printed on stderr)")
+    p.add_argument(
+        "--token-file",
+        help="file holding the bearer token that writes, deletes and listings need "
+        "(default: $LLAMA_CACHEGEN_TOKEN; without a token only a loopback --host is accepted)",
+    )
+    p.add_argument("--private", action="store_true", help="reads need the token too")
+    p.add_argument("--max-body", type=_COUNT, help="largest upload in bytes (default: 8 GiB)")
+    p.add_argument(
+        "--body-timeout",
+        type=_SECONDS,
+        help="seconds an upload may send nothing before it is dropped (default: 60)",
+    )
     p.add_argument("--verbose", action="store_true", help="log every request")
     p.set_defaults(func=_serve)
     return parser
 
 
+def _message(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _worker_parser() if argv[:1] == ["_demo-worker"] else _parser()
+    args = parser.parse_args(argv[1:] if argv[:1] == ["_demo-worker"] else argv)
     try:
         return int(args.func(args))
     except (CacheGenError, OSError) as exc:
-        print(f"llama-cachegen {args.command}: error: {exc}", file=sys.stderr)
+        print(f"llama-cachegen {args.command}: error: {_message(exc)}", file=sys.stderr)
         return 1

@@ -61,6 +61,14 @@ class StoreError(CacheGenError):
 class EntryNotFoundError(StoreError, KeyError):
     """No entry under that key or URL."""
 
+    def __str__(self) -> str:
+        return Exception.__str__(self)  # KeyError would quote the message
+
+
+class AuthenticationError(CacheGenError):
+    """A store object's HMAC tag is missing or wrong: not written by a holder of the key, or
+    written under another key name."""
+
 
 # Pinned native status codes (native/include/llama_cachegen.h) -> exception classes.
 STATUS_EXCEPTIONS: dict[int, type[CacheGenError]] = {

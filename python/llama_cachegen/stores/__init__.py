@@ -3,25 +3,47 @@
 A store maps keys (slash-separated segments of `[A-Za-z0-9._-]`, no `..`) to immutable byte
 values. Every `put` is atomic: a reader sees the whole old value, the whole new one, or nothing,
 even if the writer dies mid-write. Nothing read from a store is ever unpickled or evaluated.
+
+Authenticated objects: with a key (`auth_key=`, else the environment variable
+LLAMA_CACHEGEN_KEY), every object a store writes is stored as
+
+    b"LCGTAG\x00\x01" (8 bytes) + tag (32 bytes) + value
+    tag = HMAC-SHA256(key, b"llama-cachegen object v1\x00" + name + b"\x00" + value)
+
+where `name` is the object's name (`Store.tag_name`: its key in the store, the path on the server
+for an HTTP store, the final path component for a local file), so a tagged object cannot be
+replayed under another name. A reader with the key returns only values whose tag verifies and
+raises AuthenticationError otherwise, before handing out any byte. Without a key nothing is
+verified: the header of a tagged object is dropped and the value returned as it is.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import re
 import urllib.parse
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidArgumentError
+from ..errors import AuthenticationError, InvalidArgumentError
+
+KEY_ENV = "LLAMA_CACHEGEN_KEY"
+TAG_MAGIC = b"LCGTAG\x00\x01"
+TAG_DOMAIN = b"llama-cachegen object v1\x00"
+TAG_HEADER_SIZE = len(TAG_MAGIC) + hashlib.sha256().digest_size
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+AuthKey = bytes | str | None
 
 
 @dataclass(frozen=True)
 class EntryInfo:
     key: str
-    size: int
+    size: int  # bytes stored, the tag header included
     mtime: float  # seconds since the epoch of the last write or touch: the LRU clock
 
 
@@ -32,18 +54,80 @@ def check_key(key: str) -> str:
     return key
 
 
+def resolve_key(auth_key: AuthKey) -> bytes | None:
+    """The HMAC key to use: `auth_key`, or LLAMA_CACHEGEN_KEY when None; "" or b"" means none."""
+    if auth_key is None:
+        auth_key = os.environ.get(KEY_ENV, "")
+    if isinstance(auth_key, str):
+        auth_key = auth_key.encode()
+    return bytes(auth_key) or None
+
+
+def object_tag(key: bytes, name: str, value: bytes | bytearray | memoryview) -> bytes:
+    """HMAC-SHA256 of an object's value under its name (see the module docstring)."""
+    mac = hmac.new(key, TAG_DOMAIN, hashlib.sha256)
+    mac.update(name.encode())
+    mac.update(b"\x00")
+    mac.update(value)
+    return mac.digest()
+
+
+def seal(key: bytes | None, name: str, value: bytes | bytearray | memoryview) -> bytes:
+    """The bytes to store for `value` under `name`: tagged with `key`, or the value itself."""
+    if key is not None:
+        return TAG_MAGIC + object_tag(key, name, value) + value
+    if bytes(value[: len(TAG_MAGIC)]) == TAG_MAGIC:
+        # a reader would take it for a tagged object and drop its first bytes
+        raise InvalidArgumentError(f"{name!r}: a value starting with {TAG_MAGIC!r} needs a key to be stored")
+    return bytes(value)
+
+
+def unseal(key: bytes | None, name: str, stored: bytes) -> bytes:
+    """The value inside `stored` (as written by `seal`); with a key, only if its tag verifies."""
+    tagged = stored[: len(TAG_MAGIC)] == TAG_MAGIC and len(stored) >= TAG_HEADER_SIZE
+    if key is None:
+        return stored[TAG_HEADER_SIZE:] if tagged else stored
+    if not tagged:
+        raise AuthenticationError(f"{name!r} carries no authentication tag (written without the key)")
+    value = memoryview(stored)[TAG_HEADER_SIZE:]
+    if not hmac.compare_digest(stored[len(TAG_MAGIC) : TAG_HEADER_SIZE], object_tag(key, name, value)):
+        raise AuthenticationError(f"{name!r}: authentication tag does not match (another key or name)")
+    return bytes(value)
+
+
 class Store(ABC):
-    """A key -> bytes store; see the module docstring for the guarantees."""
+    """A key -> bytes store; see the module docstring for the guarantees.
+
+    Subclasses implement the raw `_get` / `_put`; `get` / `put` add and check the tag.
+    """
 
     url: str
+    auth_key: bytes | None = None
 
-    @abstractmethod
+    def __init__(self, *, auth_key: AuthKey = None) -> None:
+        self.auth_key = resolve_key(auth_key)
+
+    def tag_name(self, key: str) -> str:
+        """The name a tag binds for `key` (the key itself; an HTTP store prefixes its root path)."""
+        return key
+
     def get(self, key: str) -> bytes:
-        """The value of `key`; raises EntryNotFoundError when absent."""
+        """The value of `key`; raises EntryNotFoundError when absent, AuthenticationError when a
+        key is configured and the object's tag is missing or wrong."""
+        return unseal(self.auth_key, self.tag_name(key), self._get(check_key(key)))
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Stores `data` under `key` atomically (tagged when a key is configured), replacing any
+        previous value."""
+        self._put(check_key(key), seal(self.auth_key, self.tag_name(key), data))
 
     @abstractmethod
-    def put(self, key: str, data: bytes) -> None:
-        """Stores `data` under `key` atomically, replacing any previous value."""
+    def _get(self, key: str) -> bytes:
+        """The stored bytes of a checked `key`; EntryNotFoundError when absent."""
+
+    @abstractmethod
+    def _put(self, key: str, data: bytes) -> None:
+        """Stores `data` under a checked `key` atomically."""
 
     @abstractmethod
     def delete(self, key: str) -> bool:
@@ -60,6 +144,11 @@ class Store(ABC):
     def touch(self, key: str) -> None:
         """Marks `key` as just used (for LRU eviction); a missing key is ignored."""
 
+    def temporaries(self, prefix: str = "") -> list[EntryInfo]:
+        """Partial writes under `prefix` still taking space (in progress, or left by writers that
+        died and not swept yet); most stores have none."""
+        return []
+
     def sweep(self, max_age_s: float = 3600.0) -> int:
         """Removes leftovers of writers that died; returns how many (most stores leave none)."""
         return 0
@@ -74,26 +163,31 @@ class Store(ABC):
         self.close()
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, *, auth_key: AuthKey = None, token: str | None = None) -> Store:
     """Opens the store at `url`: `file:///dir` or a plain path, `redis://host:port[/db][?prefix=p]`,
-    `http(s)://host:port[/path]` (a `llama-cachegen serve` server)."""
+    `http(s)://host:port[/path]` (a `llama-cachegen serve` server).
+
+    `auth_key` tags and verifies every object (default: LLAMA_CACHEGEN_KEY; "" for none); `token`
+    is an HTTP store's bearer token (default: LLAMA_CACHEGEN_TOKEN), ignored by other stores.
+    """
     scheme = urllib.parse.urlsplit(url).scheme.lower()
-    if _is_local(url):
+    if is_local(url):
         from .file import FileStore
 
-        return FileStore(url)
+        return FileStore(url, auth_key=auth_key)
     if scheme in ("redis", "rediss", "unix"):
         from .redis import RedisStore
 
-        return RedisStore(url)
+        return RedisStore(url, auth_key=auth_key)
     if scheme in ("http", "https"):
         from .http import HttpStore
 
-        return HttpStore(url)
+        return HttpStore(url, auth_key=auth_key, token=token)
     raise InvalidArgumentError(f"unsupported store URL scheme {scheme!r} in {url!r}")
 
 
-def _is_local(url: str) -> bool:
+def is_local(url: str) -> bool:
+    """True for a plain path or a `file://` URL."""
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     return scheme in ("", "file") or len(scheme) == 1  # one letter: a Windows drive, i.e. a path
 
@@ -119,28 +213,46 @@ def split_url(url: str) -> tuple[str, str]:
     return base, "/".join(segments)
 
 
-def read_url(url: str | Path) -> bytes:
-    """The bytes of one object named by a URL or a local path (EntryNotFoundError if absent)."""
+def read_url(url: str | Path, *, auth_key: AuthKey = None) -> bytes:
+    """The bytes of one object named by a URL or a local path (EntryNotFoundError if absent;
+    AuthenticationError if a key is configured and its tag does not verify)."""
     from .file import path_of, read_path
 
-    if _is_local(str(url)):
-        return read_path(path_of(url))
+    if is_local(str(url)):
+        path = path_of(url)
+        return unseal(resolve_key(auth_key), path.name, read_path(path))
     base, key = split_url(str(url))
-    with open_store(base) as store:
+    with open_store(base, auth_key=auth_key) as store:
         return store.get(key)
 
 
-def write_url(url: str | Path, data: bytes) -> str:
-    """Writes `data` atomically to the object named by a URL or a local path; returns the URL."""
+def write_url(url: str | Path, data: bytes | bytearray | memoryview, *, auth_key: AuthKey = None) -> str:
+    """Writes `data` atomically to the object named by a URL or a local path (tagged when a key is
+    configured); returns the URL."""
     from .file import atomic_write, path_of
 
-    if _is_local(str(url)):
-        atomic_write(path_of(url), data)
+    if is_local(str(url)):
+        path = path_of(url)
+        atomic_write(path, seal(resolve_key(auth_key), path.name, data))
     else:
         base, key = split_url(str(url))
-        with open_store(base) as store:
+        with open_store(base, auth_key=auth_key) as store:
             store.put(key, data)
     return str(url)
 
 
-__all__ = ["EntryInfo", "Store", "check_key", "open_store", "read_url", "split_url", "write_url"]
+__all__ = [
+    "KEY_ENV",
+    "EntryInfo",
+    "Store",
+    "check_key",
+    "is_local",
+    "object_tag",
+    "open_store",
+    "read_url",
+    "resolve_key",
+    "seal",
+    "split_url",
+    "unseal",
+    "write_url",
+]

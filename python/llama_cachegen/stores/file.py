@@ -2,24 +2,39 @@
 
 Each key is a file; `put` writes a uniquely named hidden temporary file in the same folder and
 renames it over the key (atomic on POSIX), so readers never see a partial value and two writers
-never interleave. A writer killed mid-write leaves only a hidden temporary, which `list` ignores
-and `sweep` removes once stale.
+never interleave. A writer killed mid-write leaves only a hidden temporary, which `list` ignores,
+`temporaries` reports and `sweep` removes as soon as its writer is known to be dead.
+
+Nothing below the root is reached through a symbolic link: every folder is opened relative to its
+parent with O_NOFOLLOW, so a link planted inside the directory cannot make a read or a write land
+outside it (the root itself may be a link; it is resolved once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import socket
+import stat
 import time
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
-from . import EntryInfo, Store, check_key
+from . import AuthKey, EntryInfo, Store, check_key
 
 _TMP_PREFIX = ".tmp-"
+# temporaries are named .tmp-<host>-<pid>-<random>-<name>: a sweeper on the same host can tell
+# whether the writer still runs
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def path_of(url: str | Path) -> Path:
@@ -33,19 +48,80 @@ def path_of(url: str | Path) -> Path:
     return Path(urllib.request.url2pathname(parts.path))
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def _tmp_name(name: str) -> str:
+    return f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex}-{name}"
+
+
+def writer_is_dead(tmp_name: str) -> bool:
+    """True when the temporary `tmp_name` was written on this host by a process that is gone."""
+    parts = tmp_name.removeprefix(_TMP_PREFIX).split("-", 3)
+    if len(parts) < 4 or parts[0] != _HOST or not parts[1].isdigit():
+        return False  # another host's, or an older naming: only its age tells
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive under another user
+        return False
+    return False
+
+
+class PendingWrite:
+    """A new value for one file, written into a hidden temporary beside it: `commit` renames it
+    over the file (atomic), `abort` removes it (and does nothing once committed or aborted).
+    Takes ownership of `dir_fd`."""
+
+    def __init__(self, dir_fd: int, name: str) -> None:
+        self._dir_fd, self._name, self._tmp = dir_fd, name, _tmp_name(name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+        try:
+            fd = os.open(self._tmp, flags, 0o666, dir_fd=dir_fd)
+        except OSError:
+            os.close(dir_fd)
+            raise
+        self._file = open(fd, "wb")  # noqa: SIM115 - closed by commit or abort
+        self._open = True
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._file.write(data)
+        self.size += len(data)
+
+    def commit(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())  # the rename must not become visible before the data
+        self._file.close()
+        os.replace(self._tmp, self._name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        self._open = False
+        os.close(self._dir_fd)
+
+    def abort(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp, dir_fd=self._dir_fd)
+        os.close(self._dir_fd)
+
+
+def atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
     """Writes `data` to `path` through a unique hidden temporary and a rename."""
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # the rename must not become visible before the data
-        os.replace(tmp, path)
+        pending = PendingWrite(os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)), path.name)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise StoreError(f"cannot write {path}: {exc}") from exc
+        raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    _finish(pending, data, f"cannot write {path}")
+
+
+def _finish(pending: PendingWrite, data: bytes | bytearray | memoryview, failure: str) -> None:
+    try:
+        pending.write(data)
+        pending.commit()
+    except OSError as exc:
+        pending.abort()
+        raise StoreError(f"{failure}: {exc.strerror or exc}") from exc
 
 
 def read_path(path: Path) -> bytes:
@@ -54,68 +130,172 @@ def read_path(path: Path) -> bytes:
     except FileNotFoundError:
         raise EntryNotFoundError(f"no file {path}") from None
     except OSError as exc:
-        raise StoreError(f"cannot read {path}: {exc}") from exc
+        raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
 class FileStore(Store):
-    def __init__(self, url: str | Path) -> None:
+    def __init__(self, url: str | Path, *, auth_key: AuthKey = None) -> None:
+        super().__init__(auth_key=auth_key)
         self.root = path_of(url)
         self.url = self.root.resolve().as_uri() if self.root.is_absolute() else str(self.root)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create store directory {self.root}: {exc}") from exc
+        self._real_root = os.path.realpath(self.root)
 
-    def _path(self, key: str) -> Path:
-        return self.root.joinpath(*check_key(key).split("/"))
+    @contextlib.contextmanager
+    def _folder(self, key: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+        """An fd of the folder holding `key` and the key's last segment, every folder opened
+        without following links (ELOOP / ENOTDIR where one is a link or a file)."""
+        fd = self._open_folder(key, create=create)
+        try:
+            yield fd, key.rsplit("/", 1)[-1]
+        finally:
+            os.close(fd)
 
-    def get(self, key: str) -> bytes:
-        return read_path(self._path(key))
+    def _open_folder(self, key: str, *, create: bool = False) -> int:
+        fd = os.open(self._real_root, _DIR_FLAGS)
+        try:
+            for folder in check_key(key).split("/")[:-1]:
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(folder, dir_fd=fd)
+                sub = os.open(folder, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
-    def put(self, key: str, data: bytes) -> None:
-        atomic_write(self._path(key), data)
+    def _failure(self, what: str, key: str, exc: OSError) -> StoreError:
+        return StoreError(f"cannot {what} {key!r} in {self.root}: {exc.strerror or exc}")
+
+    def open(self, key: str) -> BinaryIO:
+        """The stored file of `key`, open for reading; EntryNotFoundError when absent."""
+        try:
+            with self._folder(key) as (dir_fd, name):
+                fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+        except (FileNotFoundError, NotADirectoryError):
+            raise EntryNotFoundError(f"{key!r} not in {self.url}") from None
+        except OSError as exc:
+            raise self._failure("read", key, exc) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise EntryNotFoundError(f"{key!r} is a folder of {self.url}, not an entry")
+        return open(fd, "rb")
+
+    def _get(self, key: str) -> bytes:
+        with self.open(key) as f:
+            try:
+                return f.read()
+            except OSError as exc:
+                raise self._failure("read", key, exc) from exc
+
+    def begin_write(self, key: str) -> PendingWrite:
+        """A PendingWrite for `key` (folders created as needed); StoreError when a folder of the
+        key is a file or a link, or the key names a folder or a link."""
+        try:
+            fd = self._open_folder(key, create=True)
+        except OSError as exc:
+            raise self._failure("write", key, exc) from exc
+        name = key.rsplit("/", 1)[-1]
+        try:
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            mode = stat.S_IFREG
+        except OSError as exc:
+            os.close(fd)
+            raise self._failure("write", key, exc) from exc
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise StoreError(f"cannot write {key!r} in {self.root}: a folder or a link is there")
+        try:
+            return PendingWrite(fd, name)
+        except OSError as exc:
+            raise self._failure("write", key, exc) from exc
+
+    def _put(self, key: str, data: bytes) -> None:
+        _finish(self.begin_write(key), data, f"cannot write {key!r} in {self.root}")
+
+    def _stat(self, key: str) -> os.stat_result | None:
+        """The entry's stat, None when there is no regular file under `key`."""
+        try:
+            with self._folder(key) as (fd, name):
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise self._failure("read", key, exc) from exc
+        return st if stat.S_ISREG(st.st_mode) else None
+
+    def size(self, key: str) -> int:
+        """The stored size of `key`; EntryNotFoundError when absent."""
+        st = self._stat(check_key(key))
+        if st is None:
+            raise EntryNotFoundError(f"{key!r} not in {self.url}")
+        return st.st_size
 
     def delete(self, key: str) -> bool:
         try:
-            self._path(key).unlink()
-        except FileNotFoundError:
+            with self._folder(key) as (fd, name):
+                if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    return False  # a folder or a link: not an entry
+                os.unlink(name, dir_fd=fd)
+        except (FileNotFoundError, NotADirectoryError):
             return False
+        except OSError as exc:
+            raise self._failure("delete", key, exc) from exc
         return True
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        return self._stat(check_key(key)) is not None
 
-    def list(self, prefix: str = "") -> list[EntryInfo]:
+    def _walk(self, prefix: str, temporaries: bool) -> list[EntryInfo]:
         entries = []
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            rel = Path(dirpath).relative_to(self.root).as_posix()
+        # os.walk descends into no linked folder; linked files are skipped below
+        for dirpath, dirnames, filenames in os.walk(self._real_root):
+            rel = Path(dirpath).relative_to(self._real_root).as_posix()
+            base = "" if rel == "." else f"{rel}/"
+            # descend only into folders that can hold keys under the prefix
+            folders = ((d, f"{base}{d}/") for d in dirnames if not d.startswith("."))
+            dirnames[:] = [d for d, f in folders if f.startswith(prefix) or prefix.startswith(f)]
             for name in filenames:
-                key = name if rel == "." else f"{rel}/{name}"
-                if name.startswith(".") or not key.startswith(prefix):
+                if (name.startswith(_TMP_PREFIX) if temporaries else name.startswith(".")) != temporaries:
+                    continue  # entries are the visible files, temporaries the .tmp- ones
+                key = base + (name.split("-", 4)[-1] if temporaries else name)
+                if not key.startswith(prefix):
                     continue
                 try:
-                    st = os.stat(os.path.join(dirpath, name))
+                    st = os.lstat(os.path.join(dirpath, name))
                 except FileNotFoundError:  # deleted by another process meanwhile
                     continue
-                entries.append(EntryInfo(key, st.st_size, st.st_mtime))
+                if stat.S_ISREG(st.st_mode):
+                    entries.append(EntryInfo(base + name if temporaries else key, st.st_size, st.st_mtime))
         return entries
 
+    def list(self, prefix: str = "") -> list[EntryInfo]:
+        return self._walk(prefix, temporaries=False)
+
+    def temporaries(self, prefix: str = "") -> list[EntryInfo]:
+        """Temporaries of writes in progress or of dead writers whose key starts with `prefix`;
+        each EntryInfo's key is the temporary's own path."""
+        return self._walk(prefix, temporaries=True)
+
     def touch(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(self._path(key))
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError), self._folder(key) as (fd, name):
+            os.utime(name, dir_fd=fd, follow_symlinks=False)
 
     def sweep(self, max_age_s: float = 3600.0) -> int:
-        """Removes temporaries left by writers that died more than `max_age_s` ago; returns how many."""
+        """Removes temporaries whose writer died (known at once on this host) or that are older
+        than `max_age_s` (writers on other hosts); returns how many."""
         removed = 0
         deadline = time.time() - max_age_s
-        for dirpath, _, filenames in os.walk(self.root):
-            for name in filenames:
-                path = os.path.join(dirpath, name)
-                try:
-                    if name.startswith(_TMP_PREFIX) and os.stat(path).st_mtime < deadline:
-                        os.unlink(path)
-                        removed += 1
-                except FileNotFoundError:
-                    pass
+        for info in self.temporaries():
+            name = info.key.rsplit("/", 1)[-1]
+            if info.mtime < deadline or writer_is_dead(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self._real_root, info.key))
+                    removed += 1
         return removed

@@ -1,63 +1,135 @@
-"""A store over HTTP: the client (urllib) and the server behind `llama-cachegen serve`.
+"""A store over HTTP: the client (urllib3, pooled keep-alive connections) and the server behind
+`llama-cachegen serve` (aiohttp).
 
 Protocol: `GET /key` returns the value (and marks it used), `PUT /key` stores the request body
 atomically, `HEAD /key` answers 200 with Content-Length or 404, `DELETE /key` removes it,
 `GET /prefix/` (a path ending in '/') lists the entries under it as JSON
 `[{"key": ..., "size": ..., "mtime": ...}]`. The server keeps the values in a FileStore.
+
+Access: a server started with a token (`--token-file`, or LLAMA_CACHEGEN_TOKEN) takes writes,
+deletes and listings only with `Authorization: Bearer <token>`; reads of single keys stay open
+unless it is private. Without a token it listens on loopback addresses only. The client sends
+its `token=` or LLAMA_CACHEGEN_TOKEN. A token decides who may write; an object's HMAC tag
+(`auth_key`, see stores/__init__.py) decides whether a reader trusts what it gets.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
+import os
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CacheGenError, EntryNotFoundError, StoreError
-from . import EntryInfo, Store, check_key
-from .file import FileStore
+import urllib3
+from aiohttp import web
 
+from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
+from . import AuthKey, EntryInfo, Store, check_key
+from .file import FileStore, PendingWrite
+
+TOKEN_ENV = "LLAMA_CACHEGEN_TOKEN"
 MAX_BODY = 8 << 30  # refuse uploads beyond this: a state of 8 GiB is already far past any real one
+BODY_TIMEOUT_S = 60.0  # an upload that sends nothing for this long is dropped
+KEEPALIVE_S = 30.0  # idle connections (and connections that never send a request) are closed
+_CHUNK = 1 << 20
+
+
+def load_token(token_file: str | Path | None = None) -> str | None:
+    """The server's token: the stripped content of `token_file`, else LLAMA_CACHEGEN_TOKEN."""
+    if token_file is None:
+        return os.environ.get(TOKEN_ENV, "").strip() or None
+    try:
+        token = Path(token_file).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError(f"cannot read the token file {token_file}: {exc}") from exc
+    if not token:
+        raise InvalidArgumentError(f"the token file {token_file} is empty")
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name, or "" (every interface)
+        return False
+
+
+def bearer_ok(header: str | None, token: str) -> bool:
+    """True when an Authorization header carries `token` (constant-time comparison)."""
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
 class HttpStore(Store):
-    def __init__(self, url: str, *, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        auth_key: AuthKey = None,
+        token: str | None = None,
+        timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(auth_key=auth_key)
         parts = urllib.parse.urlsplit(url)
         self.url = url.rstrip("/")
         self._base = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
         self._root = "/".join(s for s in parts.path.split("/") if s)  # a key prefix on the server
-        self._timeout = timeout
+        token = os.environ.get(TOKEN_ENV, "").strip() if token is None else token
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # idempotent requests only: a dropped keep-alive connection is retried on a fresh one
+        self._pool = urllib3.PoolManager(
+            maxsize=4,
+            timeout=urllib3.Timeout(connect=connect_timeout, read=timeout),
+            retries=urllib3.Retry(total=2, redirect=False, raise_on_status=False),
+        )
+
+    def tag_name(self, key: str) -> str:
+        """The key's path on the server: the same object read through `read_url` verifies too."""
+        return "/".join(s for s in (self._root, key) if s)
 
     def _url(self, key: str, *, listing: bool = False) -> str:
-        path = "/".join(s for s in (self._root, key) if s)
+        path = self.tag_name(key)
         return f"{self._base}/{urllib.parse.quote(path)}" + ("/" if listing and path else "")
 
-    def _request(self, method: str, key: str, data: bytes | None = None, *, listing: bool = False) -> Any:
+    def _request(
+        self, method: str, key: str, data: bytes | None = None, *, listing: bool = False
+    ) -> urllib3.BaseHTTPResponse:
         url = self._url(key if listing else check_key(key), listing=listing)
-        request = urllib.request.Request(url, data=data, method=method)
+        headers = dict(self._headers)
         if data is not None:
-            request.add_header("Content-Type", "application/octet-stream")
+            headers["Content-Type"] = "application/octet-stream"
         try:
-            with urllib.request.urlopen(request, timeout=self._timeout) as response:
-                return response.status, response.headers, response.read()
-        except urllib.error.HTTPError as exc:
-            if exc.code == HTTPStatus.NOT_FOUND:
-                raise EntryNotFoundError(f"{key!r} not in {self.url}") from None
-            raise StoreError(f"HTTP {method} {url}: {exc.code} {exc.reason}") from exc
-        except (urllib.error.URLError, OSError) as exc:
+            response = self._pool.request(method, url, body=data, headers=headers)
+        except urllib3.exceptions.HTTPError as exc:
             raise StoreError(f"HTTP {method} {url}: {exc}") from exc
+        if response.status == 404:
+            raise EntryNotFoundError(f"{key!r} not in {self.url}")
+        if response.status in (401, 403):
+            raise StoreError(
+                f"HTTP {method} {url}: {response.status} {response.reason} "
+                f"(the server needs a token: token= or {TOKEN_ENV})"
+            )
+        if response.status >= 400:
+            detail = response.data[:300].decode("utf-8", "replace").strip()
+            raise StoreError(f"HTTP {method} {url}: {response.status} {response.reason}: {detail}")
+        return response
 
-    def get(self, key: str) -> bytes:
-        return self._request("GET", key)[2]
+    def _get(self, key: str) -> bytes:
+        return self._request("GET", key).data
 
-    def put(self, key: str, data: bytes) -> None:
-        self._request("PUT", key, bytes(data))
+    def _put(self, key: str, data: bytes) -> None:
+        self._request("PUT", key, data)
 
     def delete(self, key: str) -> bool:
         try:
@@ -77,143 +149,203 @@ class HttpStore(Store):
         # the server lists folders; filter the rest of the prefix here
         folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         try:
-            body = self._request("GET", folder, listing=True)[2]
+            body = self._request("GET", folder, listing=True).data
         except EntryNotFoundError:
             return []
         strip = len(self._root) + 1 if self._root else 0
-        entries = (EntryInfo(e["key"][strip:], int(e["size"]), float(e["mtime"])) for e in json.loads(body))
+        try:
+            entries = [
+                EntryInfo(e["key"][strip:], int(e["size"]), float(e["mtime"])) for e in json.loads(body)
+            ]
+        except (ValueError, TypeError, KeyError) as exc:
+            raise StoreError(f"unreadable listing from {self.url}: {exc}") from exc
         return [e for e in entries if e.key.startswith(prefix)]
 
     def touch(self, key: str) -> None:
         """Nothing to do: the server marks an entry used on every GET."""
 
+    def close(self) -> None:
+        self._pool.clear()
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _StoreServer
 
-    def _key(self) -> tuple[str, bool]:
-        path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+# --- server ------------------------------------------------------------------------------------
+
+
+def _text(status: int, message: str) -> web.Response:
+    return web.Response(status=status, text=message + "\n")
+
+
+def _closing(status: int, message: str) -> web.Response:
+    """A reply after which the connection closes: its unread body is never parsed."""
+    response = _text(status, message)
+    response.force_close()
+    return response
+
+
+class _Server:
+    def __init__(
+        self, store: FileStore, token: str | None, private: bool, max_body: int, body_timeout: float
+    ):
+        self.store, self.token, self.private = store, token, private
+        self.max_body, self.body_timeout = max_body, body_timeout
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
         key = path.strip("/")
-        return key, path.endswith("/")
-
-    def _reply(
-        self,
-        status: HTTPStatus,
-        body: bytes = b"",
-        content_type: str = "application/octet-stream",
-        length: int | None = None,
-    ) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body) if length is None else length))
-        self.end_headers()
-        if body and self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _fail(self, status: HTTPStatus, message: str) -> None:
-        self._reply(status, message.encode() + b"\n", "text/plain; charset=utf-8")
-
-    def _guard(self, fn: Any) -> None:
+        listing = path.endswith("/") or not key
+        if request.method not in ("GET", "HEAD", "PUT", "DELETE"):
+            return _text(405, f"method {request.method} not allowed")
+        needs_token = self.private or listing or request.method in ("PUT", "DELETE")
+        if (
+            self.token is not None
+            and needs_token
+            and not bearer_ok(request.headers.get("Authorization"), self.token)
+        ):
+            # a refused upload's body is never read: close rather than parse it
+            refuse = _closing if request.method == "PUT" else _text
+            response = refuse(401, "a bearer token is required")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         try:
-            fn()
-        except EntryNotFoundError:
-            self._fail(HTTPStatus.NOT_FOUND, "not found")
-        except CacheGenError as exc:  # a bad key or a store failure: answer, never crash the server
-            self._fail(HTTPStatus.BAD_REQUEST, str(exc))
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        key, listing = self._key()
-
-        def run() -> None:
-            store = self.server.store
-            if listing or not key:
-                if key:
-                    check_key(key)
-                entries = store.list(f"{key}/" if key else "")
-                body = json.dumps(
-                    [{"key": e.key, "size": e.size, "mtime": e.mtime} for e in entries]
-                ).encode()
-                self._reply(HTTPStatus.OK, body, "application/json")
-                return
-            data = store.get(key)
-            store.touch(key)
-            self._reply(HTTPStatus.OK, data)
-
-        self._guard(run)
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        key, _ = self._key()
-
-        def run() -> None:
-            path = self.server.store.root.joinpath(*check_key(key).split("/"))
-            if not path.is_file():
-                raise EntryNotFoundError(key)
-            self._reply(HTTPStatus.OK, length=path.stat().st_size)
-
-        self._guard(run)
-
-    def do_PUT(self) -> None:  # noqa: N802
-        key, _ = self._key()
-
-        def run() -> None:
+            if listing:
+                if request.method != "GET":
+                    return _text(405, "folders are only listed (GET)")
+                return await self._list(key)
             check_key(key)
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                self._fail(HTTPStatus.LENGTH_REQUIRED, "Content-Length required")
-                return
-            if not 0 <= length <= MAX_BODY:
-                self._fail(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY} bytes")
-                return
-            data = self.rfile.read(length)
-            if len(data) != length:  # the client went away mid-upload: store nothing
-                self.close_connection = True
-                return
-            self.server.store.put(key, data)
-            self._reply(HTTPStatus.CREATED)
+            if request.method == "PUT":
+                return await self._put(request, key)
+            if request.method == "DELETE":
+                deleted = await self._run(self.store.delete, key)
+                return web.Response(status=204) if deleted else _text(404, "not found")
+            return await self._get(request, key)
+        except EntryNotFoundError:
+            return _text(404, "not found")
+        except InvalidArgumentError as exc:
+            return _text(400, str(exc))
+        except StoreError as exc:  # a folder where a file should be, a link, a full disk
+            return _text(409, str(exc))
 
-        self._guard(run)
+    async def _list(self, key: str) -> web.Response:
+        if key:
+            check_key(key)
+        entries = await self._run(self.store.list, f"{key}/" if key else "")
+        body = [{"key": e.key, "size": e.size, "mtime": e.mtime} for e in entries]
+        return web.json_response(body)
 
-    def do_DELETE(self) -> None:  # noqa: N802
-        key, _ = self._key()
+    async def _get(self, request: web.Request, key: str) -> web.StreamResponse:
+        f = await self._run(self.store.open, key)
+        try:
+            size = os.fstat(f.fileno()).st_size
+            if request.method == "HEAD":
+                return web.Response(status=200, headers={"Content-Length": str(size)})
+            await self._run(self.store.touch, key)
+            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            response.content_length = size
+            await response.prepare(request)
+            while chunk := await self._run(f.read, _CHUNK):
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+        finally:
+            f.close()
 
-        def run() -> None:
-            if not self.server.store.delete(key):
-                raise EntryNotFoundError(key)
-            self._reply(HTTPStatus.NO_CONTENT)
-
-        self._guard(run)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        if self.server.verbose:
-            super().log_message(format, *args)
-
-
-class _StoreServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], store: FileStore, verbose: bool) -> None:
-        super().__init__(address, _Handler)
-        self.store = store
-        self.verbose = verbose
-
-
-def make_server(
-    directory: str | Path, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False
-) -> ThreadingHTTPServer:
-    """An HTTP store server over `directory`; port 0 picks a free port (see `server_address`)."""
-    return _StoreServer((host, port), FileStore(directory), verbose)
+    async def _put(self, request: web.Request, key: str) -> web.StreamResponse:
+        declared = request.content_length
+        if declared is None and "chunked" not in request.headers.get("Transfer-Encoding", "").lower():
+            return _closing(411, "Content-Length required")
+        if declared is not None and declared > self.max_body:
+            return _closing(413, f"body over {self.max_body} bytes")
+        pending: PendingWrite = await self._run(self.store.begin_write, key)
+        try:
+            while chunk := await asyncio.wait_for(request.content.readany(), self.body_timeout):
+                if pending.size + len(chunk) > self.max_body:
+                    pending.abort()
+                    return _closing(413, f"body over {self.max_body} bytes")
+                await self._run(pending.write, chunk)
+            if declared is not None and pending.size != declared:  # the client went away mid-upload
+                pending.abort()
+                return _closing(400, "body shorter than its Content-Length")
+            await self._run(pending.commit)
+        except asyncio.TimeoutError:
+            pending.abort()
+            return _closing(408, f"no body data for {self.body_timeout:g} s")
+        except BaseException:  # a dropped connection included: store nothing
+            pending.abort()
+            raise
+        return web.Response(status=201)
 
 
-def serve(directory: str | Path, host: str = "127.0.0.1", port: int = 8080, *, verbose: bool = False) -> None:
-    """Serves `directory` until interrupted; prints the URL once listening."""
-    with make_server(directory, host, port, verbose=verbose) as server:
-        bound_host, bound_port = server.server_address[:2]
+def make_app(
+    directory: str | Path,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    max_body: int = MAX_BODY,
+    body_timeout: float = BODY_TIMEOUT_S,
+) -> web.Application:
+    """The store server's aiohttp application over `directory` (never tags or verifies objects:
+    clients do)."""
+    if private and token is None:
+        raise InvalidArgumentError("a private store needs a token (--token-file or LLAMA_CACHEGEN_TOKEN)")
+    server = _Server(FileStore(directory, auth_key=b""), token, private, max_body, body_timeout)
+    app = web.Application(client_max_size=max_body)
+    app.router.add_route("*", "/{tail:.*}", server.handle)
+    return app
+
+
+async def _serve(
+    app: web.Application, host: str, port: int, verbose: bool, ready: Callable[[str], None]
+) -> None:
+    runner = web.AppRunner(
+        app, keepalive_timeout=KEEPALIVE_S, access_log=web.access_logger if verbose else None
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        ready(f"http://{bound_host}:{bound_port}/")
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def serve(
+    directory: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    verbose: bool = False,
+    max_body: int = MAX_BODY,
+    body_timeout: float = BODY_TIMEOUT_S,
+) -> None:
+    """Serves `directory` until interrupted; prints the URL once listening. Without a token only a
+    loopback host is accepted."""
+    if token is None and not is_loopback(host):
+        raise InvalidArgumentError(
+            f"refusing to serve on {host or 'every interface'} without a token: anyone who reaches it "
+            f"could write and delete; give --token-file or {TOKEN_ENV}, or listen on 127.0.0.1"
+        )
+    app = make_app(directory, token=token, private=private, max_body=max_body, body_timeout=body_timeout)
+    if verbose:
+        import logging
+
+        logging.basicConfig(level=logging.INFO)
+
+    def ready(url: str) -> None:
+        access = "token required for writes" + (" and reads" if private else "") if token else "no token"
         print(
-            f"llama-cachegen: serving {Path(directory).resolve()} at http://{bound_host}:{bound_port}/",
+            f"llama-cachegen: serving {Path(directory).resolve()} at {url} ({access})",
             file=sys.stderr,
             flush=True,
         )
-        with contextlib.suppress(KeyboardInterrupt):
-            server.serve_forever()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(app, host, port, verbose, ready))
+
+
+__all__ = ["TOKEN_ENV", "HttpStore", "bearer_ok", "is_loopback", "load_token", "make_app", "serve"]

@@ -12,11 +12,12 @@ import urllib.parse
 from typing import Any
 
 from ..errors import EntryNotFoundError, StoreError
-from . import EntryInfo, Store, check_key
+from . import AuthKey, EntryInfo, Store, check_key
 
 
 class RedisStore(Store):
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, auth_key: AuthKey = None) -> None:
+        super().__init__(auth_key=auth_key)
         try:
             import redis
         except ImportError as exc:
@@ -41,15 +42,15 @@ class RedisStore(Store):
         except self._errors as exc:
             raise StoreError(f"redis {what} failed on {self.url}: {exc}") from exc
 
-    def get(self, key: str) -> bytes:
-        value = self._call("GET", self._redis.get, self.prefix + check_key(key))
+    def _get(self, key: str) -> bytes:
+        value = self._call("GET", self._redis.get, self.prefix + key)
         if value is None:
             raise EntryNotFoundError(f"{key!r} not in {self.url}")
         return bytes(value)
 
-    def put(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, data: bytes) -> None:
         pipe = self._redis.pipeline(transaction=True)
-        pipe.set(self.prefix + check_key(key), data)
+        pipe.set(self.prefix + key, data)
         pipe.zadd(self._lru, {key: time.time()})
         self._call("SET", pipe.execute)
 
