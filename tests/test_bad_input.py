@@ -12,7 +12,7 @@ import pytest
 from conftest import full_buffer, kv_cache_bytes, seq_buffer, seq_file, session_file
 from llama_cachegen import quality
 
-HEADER = 48
+HEADER = 64
 ENTRY = 32
 DATA = Path(__file__).parent / "data"
 
@@ -106,8 +106,8 @@ def test_wrong_magic_and_version(blob: bytes) -> None:
     with pytest.raises(lcg.NotAContainerError):
         lcg.decode(b"")
     newer = bytearray(blob)
-    struct.pack_into("<H", newer, 4, 2)
-    with pytest.raises(lcg.UnsupportedVersionError, match="version 2"):
+    struct.pack_into("<H", newer, 4, 3)
+    with pytest.raises(lcg.UnsupportedVersionError, match="version 3"):
         lcg.decode(reseal(newer))
     with pytest.raises(lcg.UnsupportedVersionError):
         lcg.inspect(reseal(newer))
@@ -233,16 +233,26 @@ def golden_state() -> bytes:
 
 @pytest.mark.parametrize("level", ["lossless", "balanced"])
 def test_golden_containers_still_decode(level: str) -> None:
-    """Containers written by format version 1 decode to the same bytes forever."""
-    blob = (DATA / f"golden-v1-{level}.lcg").read_bytes()
-    expected = (DATA / f"golden-v1-{level}.state").read_bytes()
+    """Containers written by format version 2 decode to the same bytes forever, and the encoder
+    still writes exactly them (the scalar and SIMD paths, any thread count)."""
+    blob = (DATA / f"golden-v2-{level}.lcg").read_bytes()
+    expected = (DATA / f"golden-v2-{level}.state").read_bytes()
     assert lcg.decode(blob) == expected
+    assert lcg.encode(golden_state(), level, threads=1) == blob
     if level == "lossless":
         assert expected == golden_state()
 
 
+@pytest.mark.parametrize("level", ["lossless", "balanced"])
+def test_version_1_containers_are_refused_clearly(level: str) -> None:
+    blob = (DATA / f"golden-v1-{level}.lcg").read_bytes()
+    for call in (lcg.decode, lcg.inspect, lcg.decoded_size, lcg.user_meta):
+        with pytest.raises(lcg.UnsupportedVersionError, match="version 1; this library reads version 2"):
+            call(blob)
+
+
 def test_golden_bad_containers_fail() -> None:
-    blob = (DATA / "golden-v1-balanced.lcg").read_bytes()
+    blob = (DATA / "golden-v2-balanced.lcg").read_bytes()
     with pytest.raises(lcg.ChecksumError):
         lcg.decode(blob[:-1] + bytes([blob[-1] ^ 0x10]))
     with pytest.raises(lcg.TruncatedDataError):

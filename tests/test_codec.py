@@ -220,12 +220,12 @@ def test_inspect_reports_layout_and_sizes(state_fa_off: bytes) -> None:
     assert info["level"] == "balanced" and info["kind"] == "seq_buffer"
     assert (info["layers"], info["cells"], info["tensors"]) == (30, PREFIX, 60)
     assert info["kv_bytes"] == 30 * 2 * PREFIX * 192 * 2
-    assert sum(info["sections"].values()) + 48 + 32 * (60 + 2) == len(blob) == info["container_size"]
+    assert sum(info["sections"].values()) + 64 + 32 * (2 * 60 + 2) == len(blob) == info["container_size"]
     assert info["ratio"] == pytest.approx(len(state_fa_off) / len(blob))
 
 
 def test_versions_are_pinned() -> None:
-    assert lcg.version() == (100, 1)
+    assert lcg.version() == (200, 2)
 
 
 def test_simd_and_scalar_paths_write_the_same_bytes(state_fa_off: bytes, tmp_path: Path) -> None:

@@ -36,7 +36,7 @@
 
 /* Library version (the container format has its own version: LCG_FORMAT_VERSION). */
 #define LCG_VERSION_MAJOR 0
-#define LCG_VERSION_MINOR 1
+#define LCG_VERSION_MINOR 2
 #define LCG_VERSION_PATCH 0
 #define LCG_VERSION_NUMBER (LCG_VERSION_MAJOR * 10000 + LCG_VERSION_MINOR * 100 + LCG_VERSION_PATCH)
 
@@ -80,7 +80,20 @@ typedef enum {
     LCG_KIND_SESSION     = 4  /* llama_state_save_file: 'ggsn' v10                               */
 } lcg_state_kind;
 
+/* What a container object holds (format v2). A context can be stored whole (one object), or as a
+ * skeleton (the state's bytes other than K/V, tiny), one statistics object per level (quantizer
+ * and frequency tables, computed over the whole state) and chunks: the K/V of positions
+ * [pos_begin, pos_end) at one level, each decodable on its own into its place in a state. */
+typedef enum {
+    LCG_PART_WHOLE    = 0, /* a whole state: lcg_encode / lcg_decode                                  */
+    LCG_PART_SKELETON = 1, /* a state without its K/V payloads: lcg_encode_skeleton / lcg_skeleton_state */
+    LCG_PART_STATS    = 2, /* statistics of one level: lcg_chunker_stats                              */
+    LCG_PART_CHUNK    = 3  /* K/V of a position range at one level: lcg_chunker_encode / lcg_decode_chunk */
+} lcg_part;
+
 typedef struct {
+    uint32_t struct_size;   /* sizeof(lcg_encode_params), set by lcg_encode_default_params: lets the
+                               struct grow without breaking callers built against an older header */
     int32_t level;          /* lcg_level                                                        */
     int32_t state_kind;     /* lcg_state_kind; LCG_KIND_AUTO detects it                          */
     int32_t n_threads;      /* <= 0: all cores                                                  */
@@ -92,40 +105,52 @@ typedef struct {
     /* Opaque bytes stored (checksummed) in the container, e.g. the caller's model fingerprint.  */
     const void * user_meta;
     size_t       user_meta_size; /* at most LCG_MAX_USER_META                                    */
+    uint32_t reserved[8];   /* zero                                                              */
 } lcg_encode_params;
 
-/* What lcg_inspect reports about a container, from its header and section table only. */
+/* What lcg_inspect reports about a container, from its header and layout only. */
 typedef struct {
     uint32_t format_version;
-    int32_t  level;             /* lcg_level it was encoded at                                  */
+    int32_t  level;             /* lcg_level it was encoded at (skeleton: LCG_LEVEL_LOSSLESS)    */
     int32_t  state_kind;        /* lcg_state_kind of the original state                         */
     uint32_t n_sections;
-    uint32_t n_tensors;         /* K/V tensors coded (all layers, streams and caches)           */
-    uint32_t n_cells;           /* KV cells over all streams and caches                          */
+    uint32_t n_tensors;         /* K/V tensors (all layers, streams and caches)                  */
+    uint32_t n_cells;           /* KV cells over all streams and caches (chunk: in the chunk)    */
     uint32_t n_layers;          /* layers of the first KV cache                                  */
     uint32_t n_tokens;          /* prompt tokens stored in file kinds, else 0                    */
-    uint64_t state_size;        /* bytes of the decoded state                                    */
+    uint64_t state_size;        /* bytes of the decoded state (whole, skeleton), else 0          */
     uint64_t container_size;    /* bytes of the container                                        */
-    uint64_t kv_bytes;          /* bytes of K/V payload in the original state                    */
+    uint64_t kv_bytes;          /* bytes of K/V payload the object restores                      */
     float    k_step, v_step, first_layer_scale;
     int32_t  n_sink_tokens;
+    int32_t  part;              /* lcg_part                                                      */
+    uint32_t n_caches;          /* KV caches (2 for interleaved sliding-window models)           */
+    uint32_t pos_begin, pos_end;/* chunk: its positions; whole/skeleton of a chunkable state: 0, n */
+    uint8_t  stats_id[32];      /* chunk: the id of the statistics it was coded with             */
+    uint32_t chunkable;         /* state / whole / skeleton: 1 if it can be cut into chunks       */
+    uint32_t reserved[7];
 } lcg_info;
 
 /* One entry of the container's section table. */
 typedef struct {
     uint32_t type;              /* lcg_section_type                                             */
-    uint32_t tensor;            /* tensor index for LCG_SECTION_TENSOR, else 0                   */
+    uint32_t tensor;            /* tensor index for tensor and stats sections, else 0            */
     uint64_t offset;            /* from the start of the container                               */
     uint64_t size;
     uint32_t crc32c;
 } lcg_section;
 
 typedef enum {
-    LCG_SECTION_LAYOUT    = 1, /* segment list: how to rebuild the state                       */
+    LCG_SECTION_LAYOUT    = 1, /* tensors (and for whole/skeleton: segments rebuilding the state) */
     LCG_SECTION_VERBATIM  = 2, /* the state's bytes that are not K/V payloads                  */
-    LCG_SECTION_TENSOR    = 3, /* one coded K or V tensor                                       */
-    LCG_SECTION_USER_META = 4  /* caller's opaque bytes                                         */
+    LCG_SECTION_TENSOR    = 3, /* one tensor's coded rows                                        */
+    LCG_SECTION_USER_META = 4, /* caller's opaque bytes                                         */
+    LCG_SECTION_STATS     = 5, /* one tensor's quantizer and frequency tables                    */
+    LCG_SECTION_STATS_REF = 6  /* 32-byte id of the statistics object a chunk was coded with     */
 } lcg_section_type;
+
+/* An encoder of chunks at one level (opaque). */
+typedef struct lcg_chunker lcg_chunker;
 
 /* Runtime twin of LCG_VERSION_NUMBER, and the container format version this library writes. */
 LCG_API uint32_t lcg_version_number(void);
@@ -154,19 +179,62 @@ LCG_API int lcg_decode(const void * container, size_t container_size, int32_t n_
 
 /* Reads a container's header, section table and layout; verifies those checksums only. */
 LCG_API int lcg_inspect(const void * container, size_t container_size, lcg_info * info);
-/* Entry `index` (< info.n_sections) of the section table. */
-LCG_API int lcg_inspect_section(const void * container, size_t container_size, uint32_t index,
-                                lcg_section * section);
+/* The section table: up to `capacity` entries into `sections`; *n_sections gets the count (call
+ * with capacity 0 to ask). One pass over the header. */
+LCG_API int lcg_inspect_sections(const void * container, size_t container_size, lcg_section * sections,
+                                 uint32_t capacity, uint32_t * n_sections);
 
 /* Points *meta into the container at the caller's opaque bytes (NULL and 0 when absent),
  * after verifying that section's checksum. */
 LCG_API int lcg_user_meta(const void * container, size_t container_size,
                           const void ** meta, size_t * meta_size);
 
-/* Parses a llama.cpp state without encoding it: kind, cells, layers, tensors, K/V bytes.
- * container_size and format_version are 0. Useful to validate a state before storing it. */
+/* Parses a llama.cpp state without encoding it: kind, cells, layers, tensors, K/V bytes, caches,
+ * whether it can be chunked (pos_end = its positions). container_size and format_version are 0. */
 LCG_API int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind,
                               lcg_info * info);
+
+/* ---- chunks ---------------------------------------------------------------------------------
+ * A chunkable state (every stream with cells holds positions 0..n-1 once: one sequence) is stored
+ * as a skeleton, one statistics object per level and chunks of positions. To load positions
+ * [0, m): lcg_skeleton_state(skeleton, m) builds the state with zero K/V, then lcg_decode_chunk
+ * fills each chunk's rows in place (chunks are independent: decode them in any order, on any
+ * threads, into the same buffer), and lcg_splice copies rows that llama.cpp computed itself. */
+
+/* The skeleton of a state: its bytes other than K/V payloads, and its layout. */
+LCG_API int lcg_encode_skeleton(const void * state, size_t state_size, int32_t state_kind,
+                                void ** out, size_t * out_size);
+/* Writes the state of the skeleton's first n_pos positions, K/V zero, into dst. With dst NULL
+ * only *written gets the size needed. n_pos below the skeleton's positions needs a chunkable state. */
+LCG_API int lcg_skeleton_state(const void * skeleton, size_t skeleton_size, uint32_t n_pos,
+                               void * dst, size_t dst_capacity, size_t * written);
+
+/* Prepares chunk encoding at params->level: parses the state (borrowed: it must outlive the
+ * chunker), computes the level's statistics over all of it and quantizes it once. Refuses states
+ * that cannot be chunked with LCG_ERR_UNSUPPORTED_FORMAT saying why. */
+LCG_API int lcg_chunker_init(const void * state, size_t state_size, const lcg_encode_params * params,
+                             lcg_chunker ** out);
+/* The statistics object. Its id (stats_id below) is the caller's hash of these bytes (SHA-256). */
+LCG_API int lcg_chunker_stats(lcg_chunker * chunker, void ** out, size_t * out_size);
+/* The chunk of positions [pos_begin, pos_end), naming the statistics by stats_id (32 bytes).
+ * params->user_meta of lcg_chunker_init is not used; user_meta here is stored in the chunk. */
+LCG_API int lcg_chunker_encode(lcg_chunker * chunker, uint32_t pos_begin, uint32_t pos_end,
+                               const uint8_t * stats_id, const void * user_meta, size_t user_meta_size,
+                               void ** out, size_t * out_size);
+LCG_API void lcg_chunker_free(lcg_chunker * chunker);
+
+/* Decodes a chunk into its place in `state` (a state from lcg_skeleton_state, or any state of the
+ * same layout holding the chunk's positions). `stats` must be the object whose id (32 bytes, the
+ * caller's hash of it) the chunk names. Verifies every checksum and that the chunk's layout matches
+ * the state's before writing; on error only the chunk's rows may have been written. */
+LCG_API int lcg_decode_chunk(const void * chunk, size_t chunk_size, const void * stats, size_t stats_size,
+                             const uint8_t * stats_id, int32_t n_threads, void * state, size_t state_size);
+
+/* Copies the K/V rows of positions [pos_begin, pos_end) from `src` (a llama.cpp state of the same
+ * layout holding those positions, e.g. what llama.cpp computed for a chunk sent as text) into
+ * `state`. */
+LCG_API int lcg_splice(void * state, size_t state_size, const void * src, size_t src_size,
+                       uint32_t pos_begin, uint32_t pos_end);
 
 LCG_API void lcg_free(void * ptr);
 
@@ -174,9 +242,9 @@ LCG_API void lcg_free(void * ptr);
 
 /* Bounds on what a header may ask for (checked before allocating). */
 #define LCG_MAX_STATE_SIZE  ((uint64_t) 1 << 40) /* 1 TiB decoded state                         */
-#define LCG_MAX_SECTIONS    (1u << 20)
+#define LCG_MAX_SECTIONS    (1u << 16)
 #define LCG_MAX_USER_META   ((size_t) 64 << 20)
-#define LCG_FORMAT_VERSION  1u
+#define LCG_FORMAT_VERSION  2u
 
 #ifdef __cplusplus
 }

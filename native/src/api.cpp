@@ -34,6 +34,40 @@ template <typename F> int guarded(F && fn) {
 
 bool knob_ok(float v, float lo, float hi) { return std::isfinite(v) && v >= lo && v <= hi; }
 
+// Checked encode options from the caller's parameters (NULL: the defaults).
+EncodeOptions options(const lcg_encode_params * params) {
+    const lcg_encode_params p = params ? *params : lcg_encode_default_params();
+    LCG_CHECK(p.struct_size == sizeof(lcg_encode_params), LCG_ERR_INVALID_ARGUMENT,
+              "lcg_encode_params.struct_size is %u, this library's is %zu: start from lcg_encode_default_params()",
+              p.struct_size, sizeof(lcg_encode_params));
+    LCG_CHECK(p.level >= LCG_LEVEL_LOSSLESS && p.level <= LCG_LEVEL_COMPACT, LCG_ERR_INVALID_ARGUMENT,
+              "unknown level %d", p.level);
+    LCG_CHECK(p.state_kind >= LCG_KIND_AUTO && p.state_kind <= LCG_KIND_SESSION, LCG_ERR_INVALID_ARGUMENT,
+              "unknown state kind %d", p.state_kind);
+    LCG_CHECK(p.user_meta != nullptr || p.user_meta_size == 0, LCG_ERR_INVALID_ARGUMENT,
+              "user_meta is NULL with a size of %zu", p.user_meta_size);
+    EncodeOptions opt;
+    opt.level = p.level;
+    opt.state_kind = p.state_kind;
+    opt.n_threads = p.n_threads;
+    opt.knobs = level_knobs(p.level);
+    // Negative takes the preset; anything else (NaN included) is the caller's and gets checked.
+    if (!(p.k_step < 0.0f)) opt.knobs.k_step = p.k_step;
+    if (!(p.v_step < 0.0f)) opt.knobs.v_step = p.v_step;
+    if (!(p.first_layer_scale < 0.0f)) opt.knobs.first_layer_scale = p.first_layer_scale;
+    if (p.n_sink_tokens >= 0) opt.knobs.n_sink_tokens = p.n_sink_tokens;
+    if (p.level != LCG_LEVEL_LOSSLESS) {
+        LCG_CHECK(knob_ok(opt.knobs.k_step, 1e-4f, 64.0f) && knob_ok(opt.knobs.v_step, 1e-4f, 64.0f),
+                  LCG_ERR_INVALID_ARGUMENT, "k_step %g / v_step %g: expected 0.0001..64 standard deviations",
+                  opt.knobs.k_step, opt.knobs.v_step);
+        LCG_CHECK(knob_ok(opt.knobs.first_layer_scale, 0.01f, 100.0f), LCG_ERR_INVALID_ARGUMENT,
+                  "first_layer_scale %g: expected 0.01..100", opt.knobs.first_layer_scale);
+    }
+    opt.user_meta = static_cast<const uint8_t *>(p.user_meta);
+    opt.user_meta_size = p.user_meta_size;
+    return opt;
+}
+
 } // namespace
 
 extern "C" {
@@ -65,6 +99,7 @@ const char * lcg_last_error(void) { return last_error.c_str(); }
 lcg_encode_params lcg_encode_default_params(void) {
     lcg_encode_params p;
     std::memset(&p, 0, sizeof(p));
+    p.struct_size = sizeof(p);
     p.level = LCG_LEVEL_BALANCED;
     p.state_kind = LCG_KIND_AUTO;
     p.n_threads = 0;
@@ -80,41 +115,14 @@ int lcg_encode(const void * state, size_t state_size, const lcg_encode_params * 
     return guarded([&] {
         LCG_CHECK(state != nullptr && out != nullptr && out_size != nullptr, LCG_ERR_INVALID_ARGUMENT,
                   "state, out and out_size must not be NULL");
-        const lcg_encode_params p = params ? *params : lcg_encode_default_params();
-        LCG_CHECK(p.level >= LCG_LEVEL_LOSSLESS && p.level <= LCG_LEVEL_COMPACT, LCG_ERR_INVALID_ARGUMENT,
-                  "unknown level %d", p.level);
-        LCG_CHECK(p.state_kind >= LCG_KIND_AUTO && p.state_kind <= LCG_KIND_SESSION, LCG_ERR_INVALID_ARGUMENT,
-                  "unknown state kind %d", p.state_kind);
-        LCG_CHECK(p.user_meta != nullptr || p.user_meta_size == 0, LCG_ERR_INVALID_ARGUMENT,
-                  "user_meta is NULL with a size of %zu", p.user_meta_size);
-        EncodeOptions opt;
-        opt.level = p.level;
-        opt.state_kind = p.state_kind;
-        opt.n_threads = p.n_threads;
-        opt.knobs = level_knobs(p.level);
-        // Negative takes the preset; anything else (NaN included) is the caller's and gets checked.
-        if (!(p.k_step < 0.0f)) opt.knobs.k_step = p.k_step;
-        if (!(p.v_step < 0.0f)) opt.knobs.v_step = p.v_step;
-        if (!(p.first_layer_scale < 0.0f)) opt.knobs.first_layer_scale = p.first_layer_scale;
-        if (p.n_sink_tokens >= 0) opt.knobs.n_sink_tokens = p.n_sink_tokens;
-        if (p.level != LCG_LEVEL_LOSSLESS) {
-            LCG_CHECK(knob_ok(opt.knobs.k_step, 1e-4f, 64.0f) && knob_ok(opt.knobs.v_step, 1e-4f, 64.0f),
-                      LCG_ERR_INVALID_ARGUMENT, "k_step %g / v_step %g: expected 0.0001..64 standard deviations",
-                      opt.knobs.k_step, opt.knobs.v_step);
-            LCG_CHECK(knob_ok(opt.knobs.first_layer_scale, 0.01f, 100.0f), LCG_ERR_INVALID_ARGUMENT,
-                      "first_layer_scale %g: expected 0.01..100", opt.knobs.first_layer_scale);
-        }
-        opt.user_meta = static_cast<const uint8_t *>(p.user_meta);
-        opt.user_meta_size = p.user_meta_size;
-        *out = encode_state(static_cast<const uint8_t *>(state), state_size, opt, out_size);
+        *out = encode_whole(static_cast<const uint8_t *>(state), state_size, options(params), out_size);
     });
 }
 
 int lcg_decoded_size(const void * container, size_t container_size, size_t * state_size) {
     return guarded([&] {
         LCG_CHECK(container != nullptr && state_size != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
-        const ContainerView c = read_container(static_cast<const uint8_t *>(container), container_size);
-        *state_size = static_cast<size_t>(c.header.state_size);
+        *state_size = decoded_size(static_cast<const uint8_t *>(container), container_size);
     });
 }
 
@@ -123,8 +131,8 @@ int lcg_decode(const void * container, size_t container_size, int32_t n_threads,
     return guarded([&] {
         LCG_CHECK(container != nullptr && (dst != nullptr || dst_capacity == 0), LCG_ERR_INVALID_ARGUMENT,
                   "NULL argument");
-        const size_t n = decode_container(static_cast<const uint8_t *>(container), container_size, n_threads,
-                                          static_cast<uint8_t *>(dst), dst_capacity);
+        const size_t n = decode_whole(static_cast<const uint8_t *>(container), container_size, n_threads,
+                                      static_cast<uint8_t *>(dst), dst_capacity);
         if (written) {
             *written = n;
         }
@@ -138,12 +146,14 @@ int lcg_inspect(const void * container, size_t container_size, lcg_info * info) 
         const Layout L = read_layout(c);
         std::memset(info, 0, sizeof(*info));
         info->format_version = c.header.format_version;
+        info->part = c.header.part;
         info->level = c.header.level;
         info->state_kind = c.header.state_kind;
         info->n_sections = c.header.n_sections;
         info->n_tensors = static_cast<uint32_t>(L.tensors.size());
         info->n_cells = c.header.n_cells;
-        info->n_layers = L.n_layers;
+        info->n_layers = c.header.n_layers;
+        info->n_caches = c.header.n_caches;
         info->n_tokens = c.header.n_tokens;
         info->state_size = c.header.state_size;
         info->container_size = container_size;
@@ -152,16 +162,27 @@ int lcg_inspect(const void * container, size_t container_size, lcg_info * info) 
         info->v_step = L.knobs.v_step;
         info->first_layer_scale = L.knobs.first_layer_scale;
         info->n_sink_tokens = L.knobs.n_sink_tokens;
+        info->pos_begin = c.header.pos_begin;
+        info->pos_end = c.header.pos_end;
+        for (const lcg_section & s : c.sections) {
+            if (s.type == LCG_SECTION_STATS_REF && s.size == sizeof(info->stats_id)) {
+                verify_section(c, s);
+                std::memcpy(info->stats_id, c.data + s.offset, sizeof(info->stats_id));
+            }
+        }
     });
 }
 
-int lcg_inspect_section(const void * container, size_t container_size, uint32_t index, lcg_section * section) {
+int lcg_inspect_sections(const void * container, size_t container_size, lcg_section * sections, uint32_t capacity,
+                         uint32_t * n_sections) {
     return guarded([&] {
-        LCG_CHECK(container != nullptr && section != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        LCG_CHECK(container != nullptr && n_sections != nullptr && (sections != nullptr || capacity == 0),
+                  LCG_ERR_INVALID_ARGUMENT, "NULL argument");
         const ContainerView c = read_container(static_cast<const uint8_t *>(container), container_size);
-        LCG_CHECK(index < c.sections.size(), LCG_ERR_INVALID_ARGUMENT, "section %u of %zu", index,
-                  c.sections.size());
-        *section = c.sections[index];
+        *n_sections = static_cast<uint32_t>(c.sections.size());
+        for (uint32_t i = 0; i < capacity && i < c.sections.size(); i++) {
+            sections[i] = c.sections[i];
+        }
     });
 }
 
@@ -193,9 +214,93 @@ int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind,
         info->n_tensors = static_cast<uint32_t>(st.tensors.size());
         info->n_cells = st.n_cells;
         info->n_layers = st.n_layers;
+        info->n_caches = st.n_caches;
         info->n_tokens = st.n_tokens;
         info->state_size = state_size;
         info->kv_bytes = st.kv_bytes;
+        try {
+            info->pos_end = chunkable_positions(st);
+            info->chunkable = 1;
+        } catch (const Error &) {
+            info->chunkable = 0;
+        }
+    });
+}
+
+int lcg_encode_skeleton(const void * state, size_t state_size, int32_t state_kind, void ** out, size_t * out_size) {
+    return guarded([&] {
+        LCG_CHECK(state != nullptr && out != nullptr && out_size != nullptr, LCG_ERR_INVALID_ARGUMENT,
+                  "NULL argument");
+        LCG_CHECK(state_kind >= LCG_KIND_AUTO && state_kind <= LCG_KIND_SESSION, LCG_ERR_INVALID_ARGUMENT,
+                  "unknown state kind %d", state_kind);
+        *out = encode_skeleton(static_cast<const uint8_t *>(state), state_size, state_kind, out_size);
+    });
+}
+
+int lcg_skeleton_state(const void * skeleton, size_t skeleton_size, uint32_t n_pos, void * dst, size_t dst_capacity,
+                       size_t * written) {
+    return guarded([&] {
+        LCG_CHECK(skeleton != nullptr && written != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        const std::vector<uint8_t> state = skeleton_state(static_cast<const uint8_t *>(skeleton), skeleton_size, n_pos);
+        *written = state.size();
+        if (dst != nullptr) {
+            LCG_CHECK(dst_capacity >= state.size(), LCG_ERR_DST_TOO_SMALL,
+                      "destination holds %zu bytes, the state needs %zu", dst_capacity, state.size());
+            std::memcpy(dst, state.data(), state.size());
+        }
+    });
+}
+
+struct lcg_chunker {
+    std::unique_ptr<Chunker> impl;
+};
+
+int lcg_chunker_init(const void * state, size_t state_size, const lcg_encode_params * params, lcg_chunker ** out) {
+    return guarded([&] {
+        LCG_CHECK(state != nullptr && out != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        auto ch = std::make_unique<lcg_chunker>();
+        ch->impl = chunker_init(static_cast<const uint8_t *>(state), state_size, options(params));
+        *out = ch.release();
+    });
+}
+
+int lcg_chunker_stats(lcg_chunker * chunker, void ** out, size_t * out_size) {
+    return guarded([&] {
+        LCG_CHECK(chunker != nullptr && out != nullptr && out_size != nullptr, LCG_ERR_INVALID_ARGUMENT,
+                  "NULL argument");
+        *out = chunker_stats(*chunker->impl, out_size);
+    });
+}
+
+int lcg_chunker_encode(lcg_chunker * chunker, uint32_t pos_begin, uint32_t pos_end, const uint8_t * stats_id,
+                       const void * user_meta, size_t user_meta_size, void ** out, size_t * out_size) {
+    return guarded([&] {
+        LCG_CHECK(chunker != nullptr && stats_id != nullptr && out != nullptr && out_size != nullptr &&
+                      (user_meta != nullptr || user_meta_size == 0),
+                  LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        *out = chunker_encode(*chunker->impl, pos_begin, pos_end, stats_id, static_cast<const uint8_t *>(user_meta),
+                              user_meta_size, out_size);
+    });
+}
+
+void lcg_chunker_free(lcg_chunker * chunker) { delete chunker; }
+
+int lcg_decode_chunk(const void * chunk, size_t chunk_size, const void * stats, size_t stats_size,
+                     const uint8_t * stats_id, int32_t n_threads, void * state, size_t state_size) {
+    return guarded([&] {
+        LCG_CHECK(chunk != nullptr && stats != nullptr && stats_id != nullptr && state != nullptr,
+                  LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        decode_chunk(static_cast<const uint8_t *>(chunk), chunk_size, static_cast<const uint8_t *>(stats), stats_size,
+                     stats_id, n_threads, static_cast<uint8_t *>(state), state_size);
+    });
+}
+
+int lcg_splice(void * state, size_t state_size, const void * src, size_t src_size, uint32_t pos_begin,
+               uint32_t pos_end) {
+    return guarded([&] {
+        LCG_CHECK(state != nullptr && src != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        splice(static_cast<uint8_t *>(state), state_size, static_cast<const uint8_t *>(src), src_size, pos_begin,
+               pos_end);
     });
 }
 

@@ -1,10 +1,13 @@
-// codec.h -- the pipeline: state segments -> per-(tensor, channel group) coded streams -> container,
-// and back. Tensor section layout in docs/format.md.
+// codec.h -- the objects of format v2 (docs/format.md): whole containers, skeletons, statistics
+// and chunks, built from a parsed state by tensor_codec and laid out by container.
 #pragma once
 
 #include "container.h"
 #include "quantize.h"
 #include "state_format.h"
+#include "tensor_codec.h"
+
+#include <memory>
 
 namespace lcg {
 
@@ -17,20 +20,47 @@ struct EncodeOptions {
     size_t user_meta_size;
 };
 
-// Returns a malloc'ed container of *out_size bytes.
-uint8_t * encode_state(const uint8_t * state, size_t size, const EncodeOptions & opt, size_t * out_size);
-
-// Verifies every checksum, then rebuilds the state into dst.
-size_t decode_container(const uint8_t * data, size_t size, int32_t n_threads, uint8_t * dst, size_t dst_capacity);
-
-// The LAYOUT section: how segments and tensors rebuild the state, and the knobs used.
+// The LAYOUT section: the tensors an object codes and, for whole containers and skeletons, the
+// segments that rebuild the state (offsets are positions in the decoded state).
 struct Layout {
     QuantKnobs knobs;
     uint32_t n_layers = 0;
     std::vector<TensorDesc> tensors;
-    std::vector<Segment> segments;  // offsets are positions in the decoded state
+    std::vector<Segment> segments;
 };
 // Reads and validates the layout against the header (its checksum verified first).
 Layout read_layout(const ContainerView & c);
+
+// Returns a malloc'ed container of *out_size bytes.
+uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions & opt, size_t * out_size);
+uint8_t * encode_skeleton(const uint8_t * state, size_t size, int32_t kind, size_t * out_size);
+
+// Size of the state a whole container or skeleton decodes to, after validating its layout.
+size_t decoded_size(const uint8_t * data, size_t size);
+// Verifies every checksum, then rebuilds the state into dst (a skeleton's K/V left zero).
+size_t decode_whole(const uint8_t * data, size_t size, int32_t n_threads, uint8_t * dst, size_t dst_capacity);
+// The state of a skeleton's first n_pos positions, K/V zero.
+std::vector<uint8_t> skeleton_state(const uint8_t * data, size_t size, uint32_t n_pos);
+
+// Chunk encoding of one state at one level: parsed and quantized once, then cut at will.
+struct Chunker {
+    const uint8_t * state;
+    size_t size;
+    EncodeOptions opt;
+    ParsedState st;
+    uint32_t n_pos;
+    std::vector<std::vector<uint8_t>> is_sink;        // per cell group
+    std::vector<std::vector<uint32_t>> cell_of_pos;   // per cell group
+    std::vector<TensorEncoder> tensors;
+};
+std::unique_ptr<Chunker> chunker_init(const uint8_t * state, size_t size, const EncodeOptions & opt);
+uint8_t * chunker_stats(const Chunker & ch, size_t * out_size);
+uint8_t * chunker_encode(const Chunker & ch, uint32_t pos_begin, uint32_t pos_end, const uint8_t * stats_id,
+                         const uint8_t * user_meta, size_t user_meta_size, size_t * out_size);
+
+void decode_chunk(const uint8_t * chunk, size_t chunk_size, const uint8_t * stats, size_t stats_size,
+                  const uint8_t * stats_id, int32_t n_threads, uint8_t * state, size_t state_size);
+void splice(uint8_t * state, size_t state_size, const uint8_t * src, size_t src_size, uint32_t pos_begin,
+            uint32_t pos_end);
 
 } // namespace lcg

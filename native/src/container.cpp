@@ -12,6 +12,8 @@ const char * section_type_name(uint32_t type) {
         case LCG_SECTION_VERBATIM: return "verbatim";
         case LCG_SECTION_TENSOR: return "tensor";
         case LCG_SECTION_USER_META: return "user meta";
+        case LCG_SECTION_STATS: return "statistics";
+        case LCG_SECTION_STATS_REF: return "statistics reference";
         default: return "unknown";
     }
 }
@@ -29,14 +31,19 @@ uint8_t * write_container(ContainerHeader h, const std::vector<SectionPayload> &
     head.u32(CONTAINER_MAGIC);
     head.u16(static_cast<uint16_t>(h.format_version));
     head.u16(HEADER_SIZE);
+    head.u8(static_cast<uint8_t>(h.part));
     head.u8(static_cast<uint8_t>(h.level));
     head.u8(static_cast<uint8_t>(h.state_kind));
-    head.u16(0);  // flags
+    head.u8(0);  // flags
     head.u32(h.n_sections);
     head.u64(h.state_size);
     head.u64(h.kv_bytes);
     head.u32(h.n_tokens);
     head.u32(h.n_cells);
+    head.u32(h.pos_begin);
+    head.u32(h.pos_end);
+    head.u32(h.n_layers);
+    head.u32(h.n_caches);
     head.u32(0);  // reserved
     uint64_t offset = table_end;
     ByteWriter table;
@@ -81,19 +88,24 @@ ContainerView read_container(const uint8_t * data, size_t size) {
     r.u32();
     ContainerHeader & h = c.header;
     h.format_version = r.u16();
-    LCG_CHECK(h.format_version <= LCG_FORMAT_VERSION && h.format_version >= 1, LCG_ERR_UNSUPPORTED_VERSION,
-              "container format version %u; this library reads versions 1..%u", h.format_version,
-              LCG_FORMAT_VERSION);
+    LCG_CHECK(h.format_version == LCG_FORMAT_VERSION, LCG_ERR_UNSUPPORTED_VERSION,
+              "container format version %u; this library reads version %u%s", h.format_version, LCG_FORMAT_VERSION,
+              h.format_version < LCG_FORMAT_VERSION ? " (written by llama-cachegen 0.1: encode the state again)" : "");
     const uint32_t header_size = r.u16();
     LCG_CHECK(header_size == HEADER_SIZE, LCG_ERR_CORRUPT, "header size %u, expected %u", header_size, HEADER_SIZE);
+    h.part = r.u8();
     h.level = r.u8();
     h.state_kind = r.u8();
-    r.u16();  // flags
+    r.u8();  // flags
     h.n_sections = r.u32();
     h.state_size = r.u64();
     h.kv_bytes = r.u64();
     h.n_tokens = r.u32();
     h.n_cells = r.u32();
+    h.pos_begin = r.u32();
+    h.pos_end = r.u32();
+    h.n_layers = r.u32();
+    h.n_caches = r.u32();
     r.u32();
     const uint32_t stored_crc = r.u32();
     LCG_CHECK(h.n_sections <= LCG_MAX_SECTIONS, LCG_ERR_LIMIT, "container declares %u sections (at most %u)",
@@ -103,12 +115,15 @@ ContainerView read_container(const uint8_t * data, size_t size) {
     crc = crc32c(table, static_cast<size_t>(h.n_sections) * SECTION_ENTRY_SIZE, crc);
     LCG_CHECK(crc == stored_crc, LCG_ERR_CHECKSUM, "header checksum 0x%08x does not match the stored 0x%08x",
               crc, stored_crc);
+    LCG_CHECK(h.part >= LCG_PART_WHOLE && h.part <= LCG_PART_CHUNK, LCG_ERR_CORRUPT, "object part %d", h.part);
+    LCG_CHECK(h.pos_begin <= h.pos_end, LCG_ERR_CORRUPT, "positions %u..%u", h.pos_begin, h.pos_end);
     LCG_CHECK(h.level >= LCG_LEVEL_LOSSLESS && h.level <= LCG_LEVEL_COMPACT, LCG_ERR_CORRUPT, "level %d", h.level);
     LCG_CHECK(h.state_kind >= LCG_KIND_SEQ_BUFFER && h.state_kind <= LCG_KIND_SESSION, LCG_ERR_CORRUPT,
               "state kind %d", h.state_kind);
     LCG_CHECK(h.state_size <= LCG_MAX_STATE_SIZE, LCG_ERR_LIMIT, "container declares a %llu-byte state",
               (unsigned long long) h.state_size);
-    LCG_CHECK(h.state_size <= MAX_EXPANSION * size + (1u << 20), LCG_ERR_LIMIT,
+    // A skeleton omits the K/V payloads: its state is bounded by the layout check instead.
+    LCG_CHECK(h.part == LCG_PART_SKELETON || h.state_size <= MAX_EXPANSION * size + (1u << 20), LCG_ERR_LIMIT,
               "container of %zu bytes declares a %llu-byte state (more than %llux expansion)", size,
               (unsigned long long) h.state_size, (unsigned long long) MAX_EXPANSION);
     c.sections.resize(h.n_sections);
@@ -125,6 +140,15 @@ ContainerView read_container(const uint8_t * data, size_t size) {
                   "%s section %u spans bytes %llu..%llu of a %zu-byte container", section_type_name(s.type), i,
                   (unsigned long long) s.offset, (unsigned long long) (s.offset + s.size), size);
     }
+    // Sections lie back to back after the table, in order: no overlaps, nothing hidden between them.
+    uint64_t at = HEADER_SIZE + static_cast<uint64_t>(h.n_sections) * SECTION_ENTRY_SIZE;
+    for (uint32_t i = 0; i < h.n_sections; i++) {
+        LCG_CHECK(c.sections[i].offset == at, LCG_ERR_CORRUPT, "section %u starts at %llu, expected %llu", i,
+                  (unsigned long long) c.sections[i].offset, (unsigned long long) at);
+        at += c.sections[i].size;
+    }
+    LCG_CHECK(at == size, LCG_ERR_CORRUPT, "container of %zu bytes has %llu bytes of sections", size,
+              (unsigned long long) at);
     return c;
 }
 

@@ -9,7 +9,7 @@
 namespace lcg {
 
 constexpr uint32_t CONTAINER_MAGIC = 0x4347434cu;  // "LCGC"
-constexpr uint32_t HEADER_SIZE = 48;
+constexpr uint32_t HEADER_SIZE = 64;
 constexpr uint32_t SECTION_ENTRY_SIZE = 32;
 // A container may not declare a state over this many times its own size (plus 1 MiB): keeps a
 // forged header from making a reader allocate terabytes. Real lossy levels stay below 100x.
@@ -17,13 +17,17 @@ constexpr uint64_t MAX_EXPANSION = 1024;
 
 struct ContainerHeader {
     uint32_t format_version = LCG_FORMAT_VERSION;
+    int32_t part = LCG_PART_WHOLE;
     int32_t level = 0;
     int32_t state_kind = 0;
     uint32_t n_sections = 0;
-    uint64_t state_size = 0;
-    uint64_t kv_bytes = 0;
+    uint64_t state_size = 0;  // whole / skeleton: bytes of the decoded state; else 0
+    uint64_t kv_bytes = 0;    // K/V payload bytes the object restores (skeleton: of the state)
     uint32_t n_tokens = 0;
     uint32_t n_cells = 0;
+    uint32_t pos_begin = 0, pos_end = 0;  // chunk: positions [begin, end)
+    uint32_t n_layers = 0;                // of the first KV cache
+    uint32_t n_caches = 0;
 };
 
 struct SectionPayload {
@@ -46,7 +50,8 @@ struct ContainerView {
     }
 };
 
-// Checks magic, version, header checksum and that every section lies inside the buffer.
+// Checks magic, version, header checksum, that every section lies inside the buffer and that no two
+// overlap (so that verifying every section is linear in the container's size).
 ContainerView read_container(const uint8_t * data, size_t size);
 // Checks one section's CRC32C.
 void verify_section(const ContainerView & c, const lcg_section & s);

@@ -52,22 +52,6 @@ void store_float(uint8_t * p, int32_t ggml_type, float v) {
     std::memcpy(p, &h, 2);
 }
 
-float dequant_value(const ChannelQuant & cq, int64_t q) {
-    const float shrink = static_cast<float>(cq.shrink_u8) * (1.0f / 256.0f);
-    const float level = q > 0 ? static_cast<float>(q) - shrink : q < 0 ? static_cast<float>(q) + shrink : 0.0f;
-    return f16_to_f32(cq.mean_f16) + level * f16_to_f32(cq.step_f16);
-}
-
-void build_dequant(const ChannelQuant & cq, int32_t ggml_type, DequantTable & t) {
-    t.value[SYM_ESCAPE] = 0;
-    for (int s = 1; s < 256; s++) {
-        const float v = dequant_value(cq, s - SYM_ZERO);
-        uint8_t bytes[4] = {0, 0, 0, 0};
-        store_float(bytes, ggml_type, v);
-        std::memcpy(&t.value[s], bytes, 4);
-    }
-}
-
 namespace {
 
 // Rounds to nearest even without a libm call: exact for |v| < 2^22.

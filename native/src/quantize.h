@@ -31,7 +31,6 @@ float layer_step(const QuantKnobs & k, bool is_v, uint32_t layer, uint32_t n_lay
 struct ChannelQuant {
     uint16_t mean_f16;
     uint16_t step_f16;
-    uint8_t shrink_u8 = 0;  // reconstruction of q != 0 is sign(q) (|q| - shrink_u8 / 256) steps
 };
 
 // Rounds a channel's mean and step to f16; a step of 0 (a constant group) becomes 1 so that every
@@ -55,12 +54,13 @@ inline float load_float(const uint8_t * p, int32_t ggml_type) {
 }
 void store_float(uint8_t * p, int32_t ggml_type, float v);
 
-// Dequantization table of one channel: the element bytes (2 or 4) of every symbol but the escape.
-struct DequantTable {
-    uint32_t value[256];
-};
-void build_dequant(const ChannelQuant & cq, int32_t ggml_type, DequantTable & t);
-float dequant_value(const ChannelQuant & cq, int64_t q);
+// Reconstruction of q: mean + sign(q) (|q| - shrink) step, as exactly these float operations (a
+// subtraction, a multiply, an add; the build keeps the compiler from fusing them) so that the scalar
+// and SIMD decoders (and a GPU) give the same bits. shrink = shrink_u8 / 256.
+inline float dequant(float mean, float step, float shrink, float q) {
+    const float t = q > 0.0f ? q - shrink : q < 0.0f ? q - (-shrink) : 0.0f;
+    return t * step + mean;
+}
 
 // A value whose |q| > Q_MAX, coded as SYM_ESCAPE plus q in the group's escape list.
 struct Escape {

@@ -1,20 +1,11 @@
 #include "rans.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace lcg::rans {
 
 namespace {
-
-// Encoder view of one symbol: division by freq as a multiply by a 32-bit reciprocal and a
-// shift (exact for x < 2^31), as in ryg_rans.
-struct EncSymbol {
-    uint32_t x_max;      // states at or above this must emit a word first
-    uint32_t rcp_freq;
-    uint32_t bias;
-    uint32_t cmpl_freq;  // PROB_SCALE - freq
-    uint32_t rcp_shift;
-};
 
 EncSymbol enc_symbol(uint32_t cum, uint32_t freq) {
     EncSymbol s;
@@ -38,14 +29,31 @@ EncSymbol enc_symbol(uint32_t cum, uint32_t freq) {
 
 } // namespace
 
-void build_decode_slots(const Table & t, uint32_t * slots) {
+void build_enc_table(const Table & t, EncTable & e) {
     for (uint32_t s = t.first; s <= t.last; s++) {
-        for (uint32_t k = 0; k < t.freq[s]; k++) {
-            slots[t.cum[s] + k] = s | (static_cast<uint32_t>(t.freq[s]) << 8) | (k << 20);
+        if (t.freq[s]) {
+            e.sym[s] = enc_symbol(t.cum[s], t.freq[s]);
         }
     }
 }
 
+void build_decode_slots(const Table & t, uint32_t * slots) {
+    for (uint32_t s = t.first; s <= t.last; s++) {
+        for (uint32_t k = 0; k < t.freq[s]; k++) {
+            slots[t.cum[s] + k] = s | (static_cast<uint32_t>(t.freq[s] - 1) << 8) | (k << 20);
+        }
+    }
+}
+
+double coded_bits(const uint32_t counts[256], const Table & t) {
+    double bits = 0.0;
+    for (uint32_t s = t.first; s <= t.last; s++) {
+        if (counts[s]) {
+            bits += counts[s] * (PROB_BITS - std::log2(static_cast<double>(t.freq[s])));
+        }
+    }
+    return bits;
+}
 
 void build_table(const uint32_t counts[256], Table & t) {
     uint64_t total = 0;
@@ -94,7 +102,7 @@ void build_table(const uint32_t counts[256], Table & t) {
 void write_table(ByteWriter & w, const Table & t) {
     w.u8(static_cast<uint8_t>(t.first));
     w.u8(static_cast<uint8_t>(t.last));
-    if (t.constant()) {
+    if (t.first == t.last) {
         return;
     }
     for (uint32_t s = t.first; s <= t.last; s++) {
@@ -107,7 +115,7 @@ void read_table(ByteReader & r, Table & t) {
     t.first = r.u8();
     t.last = r.u8();
     LCG_CHECK(t.first <= t.last, LCG_ERR_CORRUPT, "frequency table range %u..%u is empty", t.first, t.last);
-    if (t.constant()) {
+    if (t.first == t.last) {
         t.freq[t.first] = PROB_SCALE;
     } else {
         uint32_t sum = 0;
@@ -125,77 +133,28 @@ void read_table(ByteReader & r, Table & t) {
     }
 }
 
-void encode_lanes(const uint8_t * symbols, size_t n, uint32_t n_lanes, const Table & t, ByteWriter & w) {
-    if (t.constant() || n == 0) {
-        return;
+Cursor open_stream(const uint8_t * data, size_t size) {
+    LCG_CHECK(size >= STATE_BYTES && size % 2 == 0, LCG_ERR_CORRUPT, "rANS stream of %zu bytes", size);
+    Cursor c;
+    for (uint32_t j = 0; j < LANES; j++) {
+        std::memcpy(&c.x[j], data + 4 * j, 4);
+        LCG_CHECK(c.x[j] >= STATE_LOW && c.x[j] < (STATE_LOW << 16), LCG_ERR_CORRUPT, "lane %u starts in state %u",
+                  j, c.x[j]);
     }
-    EncSymbol enc[256];
-    for (uint32_t s = t.first; s <= t.last; s++) {
-        if (t.freq[s]) {
-            enc[s] = enc_symbol(t.cum[s], t.freq[s]);
-        }
-    }
-    // Each lane fills its own region of one word buffer from the back (a symbol emits at most one
-    // word), so that the words end up in the order the decoder reads them. Lanes advance together
-    // for instruction-level parallelism.
-    const size_t cap = n + 1;
-    std::vector<uint16_t> words(cap * n_lanes);
-    uint16_t * ptr[MAX_LANES];
-    uint32_t x[MAX_LANES];
-    for (uint32_t j = 0; j < n_lanes; j++) {
-        ptr[j] = words.data() + cap * (j + 1);
-        x[j] = STATE_LOW;
-    }
-    for (size_t i = n; i-- > 0;) {
-        const uint8_t * row = symbols + i * n_lanes;
-        for (uint32_t j = 0; j < n_lanes; j++) {
-            const EncSymbol & e = enc[row[j]];
-            uint32_t xj = x[j];
-            if (xj >= e.x_max) {
-                *--ptr[j] = static_cast<uint16_t>(xj);
-                xj >>= 16;
-            }
-            const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(xj) * e.rcp_freq) >> 32) >> e.rcp_shift;
-            x[j] = xj + e.bias + q * e.cmpl_freq;
-        }
-    }
-    for (uint32_t j = 0; j < n_lanes; j++) {
-        const size_t n_words = static_cast<size_t>(words.data() + cap * (j + 1) - ptr[j]);
-        w.varint(4 + 2 * n_words);
-    }
-    for (uint32_t j = 0; j < n_lanes; j++) {
-        const size_t n_words = static_cast<size_t>(words.data() + cap * (j + 1) - ptr[j]);
-        w.u32(x[j]);
-        w.put(ptr[j], 2 * n_words);
+    c.ptr = data + STATE_BYTES;
+    c.end = data + size;
+    return c;
+}
+
+void close_stream(const Cursor & c) {
+    LCG_CHECK(c.ptr == c.end, LCG_ERR_CORRUPT, "rANS stream has %zu bytes left over (corrupt stream)",
+              static_cast<size_t>(c.end - c.ptr));
+    for (uint32_t j = 0; j < LANES; j++) {
+        LCG_CHECK(c.x[j] == STATE_LOW, LCG_ERR_CORRUPT, "lane %u does not end in the initial state (corrupt stream)",
+                  j);
     }
 }
 
-void open_lanes(ByteReader & r, uint32_t n_lanes, LaneCursor * lanes) {
-    size_t lane_bytes[MAX_LANES];
-    for (uint32_t j = 0; j < n_lanes; j++) {
-        lane_bytes[j] = r.varint();
-        LCG_CHECK(lane_bytes[j] >= 4 && lane_bytes[j] % 2 == 0, LCG_ERR_CORRUPT, "lane %u has %zu bytes", j,
-                  lane_bytes[j]);
-    }
-    for (uint32_t j = 0; j < n_lanes; j++) {
-        const uint8_t * p = r.take(lane_bytes[j]);
-        std::memcpy(&lanes[j].x, p, 4);
-        lanes[j].ptr = p + 4;
-        lanes[j].end = p + lane_bytes[j];
-        LCG_CHECK(lanes[j].x >= STATE_LOW && lanes[j].x < (STATE_LOW << 16), LCG_ERR_CORRUPT,
-                  "lane %u starts in state %u", j, lanes[j].x);
-    }
-}
-
-void close_lanes(const LaneCursor * lanes, uint32_t n_lanes) {
-    for (uint32_t j = 0; j < n_lanes; j++) {
-        LCG_CHECK(lanes[j].ptr == lanes[j].end && lanes[j].x == STATE_LOW, LCG_ERR_CORRUPT,
-                  "lane %u does not end where its bytes do (corrupt stream)", j);
-    }
-}
-
-void lane_overrun(uint32_t lane) {
-    fail(LCG_ERR_CORRUPT, "lane %u runs past its bytes (corrupt stream)", lane);
-}
+void stream_overrun() { fail(LCG_ERR_CORRUPT, "rANS stream runs past its bytes (corrupt stream)"); }
 
 } // namespace lcg::rans

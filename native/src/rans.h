@@ -1,18 +1,22 @@
-// rans.h -- interleaved-lane rANS entropy coder over bytes (alphabet of 256 symbols).
+// rans.h -- 32-lane interleaved rANS over bytes (alphabet of 256 symbols), several tables per stream.
 //
 // Read me first:
-//  - A coded block holds n_lanes independent lanes. Symbol i of lane j is symbols[i * n_lanes + j]:
-//    with one lane per channel, a lane is one channel's run of cells. Lanes share one frequency
-//    table but have separate byte ranges, so a CPU decodes them in lock-step (instruction-level
-//    parallelism, SIMD) and a GPU with one lane per thread, from the same bytes.
-//  - rANS is LIFO: the encoder walks each lane backwards and emits 16-bit words that the decoder
-//    reads forwards. State x lives in [L, L << 16) with L = 2^15, so at most one word moves per
-//    symbol and the encoder's reciprocal division is exact (x < 2^31).
-//  - Probabilities are 12-bit. A table whose whole mass is on one symbol is "constant": its lanes
-//    carry no bytes at all.
-//  - Lanes are decoded in blocks of 8 (then 4, then 1): emit order is lane block by lane block.
-//  - The decoder trusts nothing: a lane that runs past its bytes, has bytes left over or does not
-//    return to the initial state is reported as corrupt.
+//  - A stream codes n symbols with 32 lanes: symbol k belongs to lane k % 32. Every lane has its
+//    own 32-bit state, but all lanes share ONE sequence of 16-bit renormalisation words, in the
+//    order the decoder needs them: step g decodes symbols 32g .. 32g+31 (lanes 0..31 in order) and
+//    each lane that drops below STATE_LOW reads the next word. A CPU decodes 8 lanes per AVX2
+//    vector (renormalisation = compare mask + popcount + permute), a GPU warp one lane per thread
+//    (ballot + popc give each thread its word), from the same bytes.
+//  - Stream bytes: 32 x u32 initial states (lane order), then the words. A valid stream ends with
+//    every word read and every lane back at STATE_LOW.
+//  - rANS is LIFO: the encoder walks the symbols backwards and writes words from the back.
+//  - State x in [L, L << 16), L = 2^15: at most one word per symbol; the encoder's reciprocal
+//    division is exact (x < 2^31).
+//  - Probabilities are 12-bit. Symbol k uses the table its caller picks (one per channel group);
+//    a table whose whole mass is on one symbol costs no words at all (the state never moves).
+//  - Decode slot, one u32 per 12-bit slot: symbol | (freq - 1) << 8 | (slot - cum) << 20.
+//  - The decoder trusts nothing: a stream that runs past its words, has words left over or does
+//    not return every lane to STATE_LOW is corrupt.
 #pragma once
 
 #include "common.h"
@@ -22,13 +26,13 @@ namespace lcg::rans {
 constexpr uint32_t PROB_BITS = 12;
 constexpr uint32_t PROB_SCALE = 1u << PROB_BITS;
 constexpr uint32_t STATE_LOW = 1u << 15;
+constexpr uint32_t LANES = 32;
+constexpr size_t STATE_BYTES = 4 * LANES;
 
 struct Table {
     uint16_t freq[256];
     uint16_t cum[257];
     uint32_t first, last;  // range of symbols with nonzero frequency
-
-    bool constant() const { return first == last; }
 };
 
 // Normalizes symbol counts (at least one nonzero) to 12-bit frequencies; every symbol that
@@ -37,87 +41,92 @@ void build_table(const uint32_t counts[256], Table & t);
 void write_table(ByteWriter & w, const Table & t);
 // Throws LCG_ERR_CORRUPT unless the frequencies sum to PROB_SCALE.
 void read_table(ByteReader & r, Table & t);
+// Bits that coding `counts` with table t costs (for the stored-or-coded choice).
+double coded_bits(const uint32_t counts[256], const Table & t);
 
-constexpr uint32_t MAX_LANES = 256;
-
-// Codes n symbols per lane (n_lanes <= MAX_LANES) and appends the lane sizes and bytes to w.
-void encode_lanes(const uint8_t * symbols, size_t n, uint32_t n_lanes, const Table & t, ByteWriter & w);
-
-// Decoder slot entry: symbol (8 bits) | freq (12 bits) | slot - cum (12 bits).
+// Encoder view of one symbol: division by freq as a multiply by a 32-bit reciprocal and a shift
+// (exact for x < 2^31), as in ryg_rans.
+struct EncSymbol {
+    uint32_t x_max;  // states at or above this emit a word first
+    uint32_t rcp_freq;
+    uint32_t bias;
+    uint32_t cmpl_freq;  // PROB_SCALE - freq
+    uint32_t rcp_shift;
+};
+struct EncTable {
+    EncSymbol sym[256];
+};
+void build_enc_table(const Table & t, EncTable & e);
+// 4096 decode slots.
 void build_decode_slots(const Table & t, uint32_t * slots);
 
-// The lanes of one coded block, positioned on their bytes and checked to lie inside r.
-struct LaneCursor {
-    uint32_t x;
+// Codes sym[0..n) with table_of(k) -> const EncTable & for symbol k, appends the stream to w.
+// A symbol must have nonzero frequency in its table.
+template <typename TableOf>
+void encode_stream(const uint8_t * sym, size_t n, TableOf && table_of, ByteWriter & w) {
+    std::vector<uint16_t> words(n + 1);
+    uint16_t * const end = words.data() + words.size();
+    uint16_t * ptr = end;
+    uint32_t x[LANES];
+    for (uint32_t j = 0; j < LANES; j++) {
+        x[j] = STATE_LOW;
+    }
+    for (size_t k = n; k-- > 0;) {
+        const EncSymbol & e = table_of(k).sym[sym[k]];
+        uint32_t & xj = x[k % LANES];
+        if (xj >= e.x_max) {
+            *--ptr = static_cast<uint16_t>(xj);
+            xj >>= 16;
+        }
+        const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(xj) * e.rcp_freq) >> 32) >> e.rcp_shift;
+        xj = xj + e.bias + q * e.cmpl_freq;
+    }
+    for (uint32_t j = 0; j < LANES; j++) {
+        w.u32(x[j]);
+    }
+    w.put(ptr, 2 * static_cast<size_t>(end - ptr));
+}
+
+// A stream being decoded: lane states and the word cursor, bounds-checked.
+struct Cursor {
+    uint32_t x[LANES];
     const uint8_t * ptr;
     const uint8_t * end;
 };
-void open_lanes(ByteReader & r, uint32_t n_lanes, LaneCursor * lanes);
-// Throws unless every lane consumed exactly its bytes and returned to the initial state.
-void close_lanes(const LaneCursor * lanes, uint32_t n_lanes);
-[[noreturn]] void lane_overrun(uint32_t lane);
+// Positions on a stream of `size` bytes; throws LCG_ERR_CORRUPT on a malformed start.
+Cursor open_stream(const uint8_t * data, size_t size);
+// Throws unless every word was read and every lane is back at STATE_LOW.
+void close_stream(const Cursor & c);
+[[noreturn]] void stream_overrun();
 
-// Inverse of encode_lanes: calls emit(i, j, symbol) for i in [0, n), j in [0, n_lanes), in that
-// order (i outer), so that a caller can write each value straight to its place.
-template <uint32_t LANES, typename Emit>
-inline void decode_lanes_fixed(const uint32_t * slots, LaneCursor * lanes, size_t n, Emit && emit) {
-    uint32_t x[LANES];
-    const uint8_t * ptr[LANES];
-    for (uint32_t j = 0; j < LANES; j++) {
-        x[j] = lanes[j].x;
-        ptr[j] = lanes[j].ptr;
+inline uint32_t next_word(Cursor & c) {
+    if (c.ptr + 2 > c.end) {
+        stream_overrun();
     }
-    for (size_t i = 0; i < n; i++) {
-        for (uint32_t j = 0; j < LANES; j++) {
-            const uint32_t e = slots[x[j] & (PROB_SCALE - 1)];
-            emit(i, j, static_cast<uint8_t>(e));
-            x[j] = ((e >> 8) & 0xfff) * (x[j] >> PROB_BITS) + (e >> 20);
-        }
-        for (uint32_t j = 0; j < LANES; j++) {
-            if (x[j] < STATE_LOW) {
-                if (ptr[j] >= lanes[j].end) {
-                    lane_overrun(j);
-                }
-                uint16_t word;
-                std::memcpy(&word, ptr[j], 2);
-                ptr[j] += 2;
-                x[j] = (x[j] << 16) | word;
-            }
-        }
-    }
-    for (uint32_t j = 0; j < LANES; j++) {
-        lanes[j].x = x[j];
-        lanes[j].ptr = ptr[j];
-    }
+    uint16_t w;
+    std::memcpy(&w, c.ptr, 2);
+    c.ptr += 2;
+    return w;
 }
 
-template <typename Emit>
-void decode_lanes(ByteReader & r, const Table & t, size_t n, uint32_t n_lanes, Emit && emit) {
-    LCG_CHECK(n_lanes >= 1 && n_lanes <= MAX_LANES, LCG_ERR_CORRUPT, "%u lanes", n_lanes);
-    if (t.constant() || n == 0) {
-        for (size_t i = 0; i < n; i++) {
-            for (uint32_t j = 0; j < n_lanes; j++) {
-                emit(i, j, static_cast<uint8_t>(t.first));
-            }
-        }
-        return;
+// One symbol of lane j with decode slots `slots`: returns the symbol, updates the state.
+inline uint8_t decode_symbol(Cursor & c, uint32_t j, const uint32_t * slots) {
+    const uint32_t e = slots[c.x[j] & (PROB_SCALE - 1)];
+    uint32_t x = (((e >> 8) & 0xfff) + 1) * (c.x[j] >> PROB_BITS) + (e >> 20);
+    if (x < STATE_LOW) {
+        x = (x << 16) | next_word(c);
     }
-    uint32_t slots[PROB_SCALE];
-    build_decode_slots(t, slots);
-    LaneCursor lanes[MAX_LANES];
-    open_lanes(r, n_lanes, lanes);
-    // Blocks of 8 lanes keep the states in registers; the remainder goes 4, then 1 at a time.
-    uint32_t j0 = 0;
-    for (; j0 + 8 <= n_lanes; j0 += 8) {
-        decode_lanes_fixed<8>(slots, lanes + j0, n, [&](size_t i, uint32_t j, uint8_t s) { emit(i, j0 + j, s); });
+    c.x[j] = x;
+    return static_cast<uint8_t>(e);
+}
+
+// Scalar decode of symbols [k0, n) (k0 a multiple of 32, lanes continue from c): calls
+// emit(k, symbol) in order, with slots_of(k) -> const uint32_t * the decode slots of symbol k.
+template <typename SlotsOf, typename Emit>
+void decode_stream(Cursor & c, size_t k0, size_t n, SlotsOf && slots_of, Emit && emit) {
+    for (size_t k = k0; k < n; k++) {
+        emit(k, decode_symbol(c, static_cast<uint32_t>(k % LANES), slots_of(k)));
     }
-    for (; j0 + 4 <= n_lanes; j0 += 4) {
-        decode_lanes_fixed<4>(slots, lanes + j0, n, [&](size_t i, uint32_t j, uint8_t s) { emit(i, j0 + j, s); });
-    }
-    for (; j0 < n_lanes; j0++) {
-        decode_lanes_fixed<1>(slots, lanes + j0, n, [&](size_t i, uint32_t, uint8_t s) { emit(i, j0, s); });
-    }
-    close_lanes(lanes, n_lanes);
 }
 
 } // namespace lcg::rans

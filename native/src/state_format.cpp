@@ -28,7 +28,7 @@ const GgmlType GGML_TYPES[] = {
 // (another cell-ext width, or bytes that are not a KV cache) leaves the ParsedState untouched.
 struct CacheParse {
     std::vector<TensorDesc> tensors;
-    std::vector<std::vector<int32_t>> cell_pos;
+    std::vector<CellGroup> groups;
     uint32_t n_cells = 0;
     uint32_t n_layers = 0;
 };
@@ -93,15 +93,19 @@ void parse_kv_cache(ByteReader & r, uint32_t ext_bytes, CacheParse & out) {
     LCG_CHECK(n_stream >= 1 && n_stream <= MAX_STREAMS, LCG_ERR_UNSUPPORTED_FORMAT,
               "KV cache declares %u streams (1..%u expected)", n_stream, MAX_STREAMS);
     for (uint32_t s = 0; s < n_stream; s++) {
+        CellGroup group;
+        group.count_offset = r.pos();
         const uint32_t n_cells = r.u32();
         if (n_cells == 0) {
             continue;
         }
         LCG_CHECK(n_cells <= r.remaining() / 8, LCG_ERR_UNSUPPORTED_FORMAT,
                   "stream %u declares %u cells but only %zu bytes follow", s, n_cells, r.remaining());
-        std::vector<int32_t> pos(n_cells);
+        group.pos.resize(n_cells);
+        group.meta_offset.resize(n_cells + 1);
         for (uint32_t i = 0; i < n_cells; i++) {
-            pos[i] = r.i32();
+            group.meta_offset[i] = r.pos();
+            group.pos[i] = r.i32();
             const uint32_t n_seq = r.u32();
             LCG_CHECK(n_seq <= MAX_SEQ_ID, LCG_ERR_UNSUPPORTED_FORMAT, "cell %u lists %u sequences", i, n_seq);
             r.take(ext_bytes);
@@ -111,13 +115,14 @@ void parse_kv_cache(ByteReader & r, uint32_t ext_bytes, CacheParse & out) {
                           "cell %u has sequence id %d", i, seq);
             }
         }
+        group.meta_offset[n_cells] = r.pos();
         const uint32_t v_trans = r.u32();
         const uint32_t n_layer = r.u32();
         LCG_CHECK(v_trans <= 1, LCG_ERR_UNSUPPORTED_FORMAT, "v_trans is %u (0 or 1 expected)", v_trans);
         LCG_CHECK(n_layer >= 1 && n_layer <= MAX_LAYERS, LCG_ERR_UNSUPPORTED_FORMAT, "KV cache declares %u layers",
                   n_layer);
-        const uint32_t cell_group = static_cast<uint32_t>(out.cell_pos.size());
-        out.cell_pos.push_back(std::move(pos));
+        const uint32_t cell_group = static_cast<uint32_t>(out.groups.size());
+        out.groups.push_back(std::move(group));
         out.n_cells += n_cells;
         if (out.n_layers == 0) {
             out.n_layers = n_layer;
@@ -171,6 +176,7 @@ void parse_file_header(ByteReader & r, uint32_t magic, uint32_t version, ParsedS
               found_magic, magic);
     LCG_CHECK(found_version == version, LCG_ERR_UNSUPPORTED_FORMAT, "%s version %u; this library reads version %u",
               name, found_version, version);
+    st.tokens_offset = r.pos();
     st.n_tokens = r.u32();
     LCG_CHECK(st.n_tokens <= r.remaining() / 4, LCG_ERR_UNSUPPORTED_FORMAT,
               "file declares %u prompt tokens but only %zu bytes follow", st.n_tokens, r.remaining());
@@ -267,20 +273,21 @@ ParsedState parse_state(const uint8_t * data, size_t size, int32_t kind) {
             r.seek(start);
             break;
         }
-        const uint32_t group_base = static_cast<uint32_t>(st.cell_pos.size());
+        const uint32_t group_base = static_cast<uint32_t>(st.groups.size());
         for (TensorDesc & t : cache.tensors) {
             t.cell_group += group_base;
             st.kv_bytes += t.bytes();
             st.tensors.push_back(t);
         }
-        for (auto & p : cache.cell_pos) {
-            st.cell_pos.push_back(std::move(p));
+        for (CellGroup & g : cache.groups) {
+            st.groups.push_back(std::move(g));
         }
         st.n_cells += cache.n_cells;
         if (st.n_caches++ == 0) {
             st.n_layers = cache.n_layers;
         }
     }
+    st.tail_offset = r.pos();
     LCG_CHECK(st.n_caches > 0 || r.remaining() == 0, LCG_ERR_UNSUPPORTED_FORMAT,
               "%s: the %zu bytes at offset %zu are not a KV cache this library reads (%s)",
               state_kind_name(st.kind), r.remaining(), r.pos(), first_error.c_str());
@@ -298,6 +305,106 @@ ParsedState parse_state(const uint8_t * data, size_t size, int32_t kind) {
         st.segments.push_back({at, size - at, -1});
     }
     return st;
+}
+
+uint32_t chunkable_positions(const ParsedState & st) {
+    LCG_CHECK(!st.groups.empty(), LCG_ERR_UNSUPPORTED_FORMAT, "the state holds no KV cells");
+    const uint32_t n = static_cast<uint32_t>(st.groups[0].pos.size());
+    for (size_t g = 0; g < st.groups.size(); g++) {
+        const CellGroup & cg = st.groups[g];
+        LCG_CHECK(cg.pos.size() == n, LCG_ERR_UNSUPPORTED_FORMAT,
+                  "streams hold %u and %zu cells (several sequences, or a sliding-window cache that keeps only "
+                  "recent positions): the state cannot be cut into token chunks", n, cg.pos.size());
+        std::vector<uint8_t> seen(n, 0);
+        for (int32_t p : cg.pos) {
+            LCG_CHECK(p >= 0 && static_cast<uint32_t>(p) < n && !seen[p], LCG_ERR_UNSUPPORTED_FORMAT,
+                      "a stream's %u cells do not hold positions 0..%u once each (found position %d): "
+                      "the state cannot be cut into token chunks", n, n - 1, p);
+            seen[p] = 1;
+        }
+    }
+    return n;
+}
+
+std::vector<std::vector<uint32_t>> cell_of_position(const ParsedState & st) {
+    std::vector<std::vector<uint32_t>> out(st.groups.size());
+    for (size_t g = 0; g < st.groups.size(); g++) {
+        const std::vector<int32_t> & pos = st.groups[g].pos;
+        out[g].resize(pos.size());
+        for (uint32_t i = 0; i < pos.size(); i++) {
+            out[g][static_cast<uint32_t>(pos[i])] = i;
+        }
+    }
+    return out;
+}
+
+std::vector<uint8_t> prefix_state(const uint8_t * data, size_t size, const ParsedState & st, uint32_t n_pos,
+                                  bool copy_kv) {
+    const uint32_t n = chunkable_positions(st);
+    LCG_CHECK(n_pos >= 1 && n_pos <= n, LCG_ERR_INVALID_ARGUMENT, "prefix of %u positions of a %u-position state",
+              n_pos, n);
+    LCG_CHECK(n_pos == n || st.tail_offset == size, LCG_ERR_UNSUPPORTED_FORMAT,
+              "the state carries %zu bytes after its KV caches (a recurrent part): only its full length loads",
+              size - static_cast<size_t>(st.tail_offset));
+    std::vector<uint8_t> out;
+    out.reserve(size);
+    uint64_t at = 0;
+    auto copy_to = [&](uint64_t end) {
+        out.insert(out.end(), data + at, data + end);
+        at = end;
+    };
+    auto put_u32 = [&](uint32_t v) {
+        uint8_t b[4];
+        std::memcpy(b, &v, 4);
+        out.insert(out.end(), b, b + 4);
+    };
+    if (st.kind == LCG_KIND_SEQ_FILE || st.kind == LCG_KIND_SESSION) {
+        LCG_CHECK(st.n_tokens >= n_pos, LCG_ERR_UNSUPPORTED_FORMAT, "file holds %u prompt tokens for %u positions",
+                  st.n_tokens, n_pos);
+        copy_to(st.tokens_offset);
+        put_u32(n_pos);
+        out.insert(out.end(), data + st.tokens_offset + 4, data + st.tokens_offset + 4 + 4ull * n_pos);
+        at = st.tokens_offset + 4 + 4ull * st.n_tokens;
+    }
+    size_t ti = 0;
+    for (uint32_t g = 0; g < st.groups.size(); g++) {
+        const CellGroup & cg = st.groups[g];
+        std::vector<uint32_t> keep;
+        for (uint32_t i = 0; i < cg.pos.size(); i++) {
+            if (static_cast<uint32_t>(cg.pos[i]) < n_pos) {
+                keep.push_back(i);
+            }
+        }
+        copy_to(cg.count_offset);
+        put_u32(static_cast<uint32_t>(keep.size()));
+        for (uint32_t i : keep) {
+            out.insert(out.end(), data + cg.meta_offset[i], data + cg.meta_offset[i + 1]);
+        }
+        at = cg.meta_offset.back();
+        for (; ti < st.tensors.size() && st.tensors[ti].cell_group == g; ti++) {
+            const TensorDesc & t = st.tensors[ti];
+            copy_to(t.offset);  // the layer's type and size fields
+            const size_t unit = t.unit_bytes, row = static_cast<size_t>(t.n_units) * unit;
+            const size_t start = out.size();
+            out.resize(start + keep.size() * row, 0);
+            if (copy_kv) {
+                uint8_t * dst = out.data() + start;
+                for (size_t k = 0; k < keep.size(); k++) {
+                    if (t.transposed) {
+                        for (uint32_t u = 0; u < t.n_units; u++) {
+                            std::memcpy(dst + (u * keep.size() + k) * unit,
+                                        data + t.offset + (static_cast<size_t>(u) * t.n_cells + keep[k]) * unit, unit);
+                        }
+                    } else {
+                        std::memcpy(dst + k * row, data + t.offset + keep[k] * row, row);
+                    }
+                }
+            }
+            at = t.offset + t.bytes();
+        }
+    }
+    copy_to(size);
+    return out;
 }
 
 } // namespace lcg

@@ -32,7 +32,7 @@ struct TensorDesc {
     uint32_t n_units;
     uint32_t unit_bytes;
     uint64_t offset;      // in the state buffer
-    uint32_t cell_group;  // index into ParsedState::cell_pos (its stream's cell positions)
+    uint32_t cell_group;  // index into ParsedState::groups (its stream's cells)
 
     uint64_t bytes() const { return static_cast<uint64_t>(n_cells) * n_units * unit_bytes; }
 };
@@ -43,16 +43,26 @@ struct Segment {
     int32_t tensor;   // index into tensors, or -1 for verbatim bytes
 };
 
+// The cells of one stream of one KV cache: where their count and metadata lie in the state, and
+// their positions in state order.
+struct CellGroup {
+    uint64_t count_offset;              // of the u32 cell_count
+    std::vector<uint64_t> meta_offset;  // n_cells + 1: where each cell's metadata starts (and the end)
+    std::vector<int32_t> pos;
+};
+
 struct ParsedState {
     int32_t kind = LCG_KIND_AUTO;
     uint32_t n_tokens = 0;   // prompt tokens of file kinds
+    uint64_t tokens_offset = 0;  // of the u32 n_tokens field in file kinds
     uint32_t n_caches = 0;   // KV caches found (2 for interleaved-SWA models)
     uint32_t n_cells = 0;    // over all streams and caches
     uint32_t n_layers = 0;   // of the first cache
     uint64_t kv_bytes = 0;
     std::vector<Segment> segments;
     std::vector<TensorDesc> tensors;
-    std::vector<std::vector<int32_t>> cell_pos;  // per (cache, stream) with cells: cell positions
+    std::vector<CellGroup> groups;  // per (cache, stream) with cells
+    uint64_t tail_offset = 0;        // bytes after the last KV cache (a hybrid model's recurrent part)
 };
 
 // Parses a state of the given kind (LCG_KIND_AUTO: detect). Throws LCG_ERR_UNSUPPORTED_FORMAT
@@ -60,5 +70,20 @@ struct ParsedState {
 ParsedState parse_state(const uint8_t * data, size_t size, int32_t kind);
 
 const char * state_kind_name(int32_t kind);
+
+// Number of positions n when every stream with cells holds exactly the positions 0..n-1, each once
+// (one sequence): such a state can be cut into token chunks. Throws LCG_ERR_UNSUPPORTED_FORMAT
+// saying why otherwise (several sequences in a stream, a sliding-window cache holding only recent
+// positions, a recurrent tail).
+uint32_t chunkable_positions(const ParsedState & st);
+
+// The state of the first n_pos positions of a chunkable state: the same bytes with every stream cut
+// to its cells of position < n_pos (and a file's prompt tokens to n_pos). K/V rows are copied when
+// copy_kv, else left zero.
+std::vector<uint8_t> prefix_state(const uint8_t * data, size_t size, const ParsedState & st, uint32_t n_pos,
+                                  bool copy_kv);
+
+// Per stream (cell group) of a chunkable state: the state's cell index holding each position.
+std::vector<std::vector<uint32_t>> cell_of_position(const ParsedState & st);
 
 } // namespace lcg

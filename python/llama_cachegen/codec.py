@@ -5,15 +5,28 @@ from __future__ import annotations
 from typing import Any
 
 from ._native import check, ffi, lib
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, LimitExceededError
 
 Buffer = bytes | bytearray | memoryview | Any  # anything exposing the buffer protocol
 
-LEVELS: dict[str, int] = {"lossless": 0, "high": 1, "balanced": 2, "compact": 3}
+# Taken from the library's own enums so that the binding cannot drift from it.
+LEVELS: dict[str, int] = {
+    name: getattr(lib, f"LCG_LEVEL_{name.upper()}") for name in ("lossless", "high", "balanced", "compact")
+}
 LEVEL_NAMES: dict[int, str] = {v: k for k, v in LEVELS.items()}
-KINDS: dict[str, int] = {"auto": 0, "seq_buffer": 1, "full_buffer": 2, "seq_file": 3, "session": 4}
+KINDS: dict[str, int] = {
+    name: getattr(lib, f"LCG_KIND_{name.upper()}")
+    for name in ("auto", "seq_buffer", "full_buffer", "seq_file", "session")
+}
 KIND_NAMES: dict[int, str] = {v: k for k, v in KINDS.items()}
-SECTION_NAMES: dict[int, str] = {1: "layout", 2: "verbatim", 3: "tensor", 4: "user_meta"}
+PARTS: dict[int, str] = {
+    getattr(lib, f"LCG_PART_{name.upper()}"): name for name in ("whole", "skeleton", "stats", "chunk")
+}
+SECTION_NAMES: dict[int, str] = {
+    getattr(lib, f"LCG_SECTION_{name.upper()}"): name
+    for name in ("layout", "verbatim", "tensor", "user_meta", "stats", "stats_ref")
+}
+STATS_ID_BYTES = 32
 
 
 def _level(level: str | int) -> int:
@@ -45,6 +58,38 @@ def _view(data: Buffer) -> Any:
         raise InvalidArgumentError(f"expected a bytes-like object, got {type(data).__name__}") from exc
 
 
+def _params(
+    level: str | int,
+    threads: int | None,
+    kind: str,
+    k_step: float | None = None,
+    v_step: float | None = None,
+    first_layer_scale: float | None = None,
+    sink_tokens: int | None = None,
+) -> Any:
+    params = ffi.new("lcg_encode_params *", lib.lcg_encode_default_params())
+    params.level = _level(level)
+    params.state_kind = _kind(kind)
+    params.n_threads = _threads(threads)
+    if k_step is not None:
+        params.k_step = k_step
+    if v_step is not None:
+        params.v_step = v_step
+    if first_layer_scale is not None:
+        params.first_layer_scale = first_layer_scale
+    if sink_tokens is not None:
+        params.n_sink_tokens = sink_tokens
+    return params
+
+
+def _take(out: Any, out_size: Any) -> bytes:
+    """Copies a library-allocated buffer into bytes and frees it."""
+    try:
+        return bytes(ffi.buffer(out[0], out_size[0]))
+    finally:
+        lib.lcg_free(out[0])
+
+
 def encode(
     state: Buffer,
     level: str | int = "balanced",
@@ -62,18 +107,7 @@ def encode(
     `k_step`, `v_step` (in channel standard deviations), `first_layer_scale` and `sink_tokens`
     override the level's preset; `user_meta` is stored verbatim (checksummed) in the container.
     """
-    params = ffi.new("lcg_encode_params *", lib.lcg_encode_default_params())
-    params.level = _level(level)
-    params.state_kind = _kind(kind)
-    params.n_threads = _threads(threads)
-    if k_step is not None:
-        params.k_step = k_step
-    if v_step is not None:
-        params.v_step = v_step
-    if first_layer_scale is not None:
-        params.first_layer_scale = first_layer_scale
-    if sink_tokens is not None:
-        params.n_sink_tokens = sink_tokens
+    params = _params(level, threads, kind, k_step, v_step, first_layer_scale, sink_tokens)
     meta = _view(user_meta)
     params.user_meta = meta
     params.user_meta_size = len(meta)
@@ -81,10 +115,7 @@ def encode(
     out = ffi.new("void **")
     out_size = ffi.new("size_t *")
     check(lib.lcg_encode(src, len(src), params, out, out_size))
-    try:
-        return bytes(ffi.buffer(out[0], out_size[0]))
-    finally:
-        lib.lcg_free(out[0])
+    return _take(out, out_size)
 
 
 def decoded_size(blob: Buffer) -> int:
@@ -111,6 +142,7 @@ def decode(blob: Buffer, *, threads: int | None = None) -> bytearray:
 def _info_dict(info: Any) -> dict[str, Any]:
     return {
         "format_version": info.format_version,
+        "part": PARTS.get(info.part, str(info.part)),
         "level": LEVEL_NAMES.get(info.level, str(info.level)),
         "kind": KIND_NAMES.get(info.state_kind, str(info.state_kind)),
         "tensors": info.n_tensors,
@@ -119,11 +151,15 @@ def _info_dict(info: Any) -> dict[str, Any]:
         "tokens": info.n_tokens,
         "state_size": info.state_size,
         "kv_bytes": info.kv_bytes,
+        "caches": info.n_caches,
+        "chunkable": bool(info.chunkable),
+        "positions": (int(info.pos_begin), int(info.pos_end)),
     }
 
 
 def inspect(blob: Buffer) -> dict[str, Any]:
-    """Describes a container: kind, layout, level and knobs, sizes per section, ratio."""
+    """Describes a container object (whole, skeleton, stats or chunk): kind, layout, level and knobs,
+    sizes per section, ratio."""
     src = _view(blob)
     info = ffi.new("lcg_info *")
     check(lib.lcg_inspect(src, len(src), info))
@@ -135,11 +171,15 @@ def inspect(blob: Buffer) -> dict[str, Any]:
         v_step=info.v_step,
         first_layer_scale=info.first_layer_scale,
         sink_tokens=info.n_sink_tokens,
+        stats_id=bytes(ffi.buffer(info.stats_id, STATS_ID_BYTES)).hex()
+        if info.part == lib.LCG_PART_CHUNK
+        else None,
     )
+    count = ffi.new("uint32_t *")
+    table = ffi.new("lcg_section[]", info.n_sections)
+    check(lib.lcg_inspect_sections(src, len(src), table, info.n_sections, count))
     sizes: dict[str, int] = {}
-    section = ffi.new("lcg_section *")
-    for index in range(info.n_sections):
-        check(lib.lcg_inspect_section(src, len(src), index, section))
+    for section in table:
         name = SECTION_NAMES.get(section.type, f"type{section.type}")
         sizes[name] = sizes.get(name, 0) + section.size
     result["sections"] = sizes
@@ -161,6 +201,92 @@ def user_meta(blob: Buffer) -> bytes:
     size = ffi.new("size_t *")
     check(lib.lcg_user_meta(src, len(src), ffi.cast("const void **", ptr), size))
     return bytes(ffi.buffer(ptr[0], size[0])) if size[0] else b""
+
+
+def encode_skeleton(state: Buffer, *, kind: str = "auto") -> bytes:
+    """The skeleton of a state: everything but its K/V payloads, and its layout (small)."""
+    src = _view(state)
+    out = ffi.new("void **")
+    out_size = ffi.new("size_t *")
+    check(lib.lcg_encode_skeleton(src, len(src), _kind(kind), out, out_size))
+    return _take(out, out_size)
+
+
+def skeleton_state(skeleton: Buffer, n_pos: int, *, max_size: int | None = None) -> bytearray:
+    """The state of the skeleton's first `n_pos` positions with zero K/V, ready for `decode_chunk`.
+
+    `max_size` refuses (LimitExceededError) a skeleton whose state would be larger, before
+    allocating it.
+    """
+    src = _view(skeleton)
+    size = ffi.new("size_t *")
+    check(lib.lcg_skeleton_state(src, len(src), n_pos, ffi.NULL, 0, size))
+    if max_size is not None and size[0] > max_size:
+        raise LimitExceededError(
+            f"the skeleton's state of {n_pos} positions needs {size[0]} bytes (at most {max_size})"
+        )
+    dst = bytearray(size[0])
+    check(lib.lcg_skeleton_state(src, len(src), n_pos, ffi.from_buffer(dst), len(dst), size))
+    return dst
+
+
+class Chunker:
+    """Chunk encoding of one state at one level: the state is parsed, its statistics computed and
+    quantized once; `stats()` and `chunk(begin, end, stats_id)` then cut it at will.
+
+    The state buffer must stay alive and unchanged while the chunker is used.
+    """
+
+    def __init__(
+        self,
+        state: Buffer,
+        level: str | int = "balanced",
+        *,
+        threads: int | None = None,
+        kind: str = "auto",
+        **knobs: Any,
+    ) -> None:
+        self._state = _view(state)  # keeps the buffer alive
+        params = _params(level, threads, kind, **knobs)
+        handle = ffi.new("lcg_chunker **")
+        check(lib.lcg_chunker_init(self._state, len(self._state), params, handle))
+        self._handle = ffi.gc(handle[0], lib.lcg_chunker_free)
+
+    def stats(self) -> bytes:
+        out = ffi.new("void **")
+        out_size = ffi.new("size_t *")
+        check(lib.lcg_chunker_stats(self._handle, out, out_size))
+        return _take(out, out_size)
+
+    def chunk(self, begin: int, end: int, stats_id: bytes, user_meta: Buffer = b"") -> bytes:
+        if len(stats_id) != STATS_ID_BYTES:
+            raise InvalidArgumentError(f"stats_id must be {STATS_ID_BYTES} bytes")
+        meta = _view(user_meta)
+        out = ffi.new("void **")
+        out_size = ffi.new("size_t *")
+        check(lib.lcg_chunker_encode(self._handle, begin, end, stats_id, meta, len(meta), out, out_size))
+        return _take(out, out_size)
+
+
+def decode_chunk(
+    chunk: Buffer, stats: Buffer, stats_id: bytes, state: bytearray, *, threads: int | None = None
+) -> None:
+    """Decodes a chunk into its place in `state` (from `skeleton_state`); checksums, layout and the
+    statistics id are verified first."""
+    if len(stats_id) != STATS_ID_BYTES:
+        raise InvalidArgumentError(f"stats_id must be {STATS_ID_BYTES} bytes")
+    c, s = _view(chunk), _view(stats)
+    check(
+        lib.lcg_decode_chunk(
+            c, len(c), s, len(s), stats_id, _threads(threads), ffi.from_buffer(state), len(state)
+        )
+    )
+
+
+def splice(state: bytearray, src: Buffer, begin: int, end: int) -> None:
+    """Copies the K/V rows of positions [begin, end) of llama.cpp state `src` into `state`."""
+    s = _view(src)
+    check(lib.lcg_splice(ffi.from_buffer(state), len(state), s, len(s), begin, end))
 
 
 def version() -> tuple[int, int]:

@@ -1,5 +1,6 @@
-"""Writes the golden containers of tests/test_bad_input.py. Run once per container format version:
-files of older versions are kept and must keep decoding (python tests/data/make_golden.py)."""
+"""Writes the golden containers of tests/test_bad_input.py. Run once per container format version
+(python tests/data/make_golden.py): the current version's files must decode and re-encode to the same
+bytes forever; older versions' containers are kept to check that they are refused clearly."""
 
 from __future__ import annotations
 

@@ -1,0 +1,554 @@
+#include "tensor_codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_map>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace lcg {
+
+namespace {
+
+constexpr uint8_t CODING_LOSSLESS = 0;
+constexpr uint8_t CODING_LOSSY = 1;
+constexpr uint32_t MAX_GROUP = 32;
+constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;
+
+// Units per table: the fewest, from 8 up to 32, whose table covers ~16K symbols of the whole
+// state, so that tables stay near 1% of the coded size. A multiple of 8: an AVX2 vector of 8
+// consecutive units always uses one table.
+uint32_t group_size(uint32_t n_cells) {
+    uint32_t g = 8;
+    while (g < MAX_GROUP && static_cast<uint64_t>(g) * n_cells < 16384) {
+        g *= 2;
+    }
+    return g;
+}
+
+// Element (cell, unit) of a tensor lies at cell * cell + unit * unit bytes from its start.
+struct Strides {
+    size_t cell, unit;
+    Strides(const TensorDesc & t)
+        : cell(t.transposed ? t.unit_bytes : static_cast<size_t>(t.n_units) * t.unit_bytes),
+          unit(t.transposed ? static_cast<size_t>(t.n_cells) * t.unit_bytes : t.unit_bytes) {}
+};
+
+// Object element k in memory order (cell-major rows, or unit-major when transposed) as (row, unit).
+struct RowUnit {
+    uint32_t row, unit;
+};
+inline RowUnit row_unit(const TensorDesc & t, size_t k) {
+    if (t.transposed) {
+        return {static_cast<uint32_t>(k % t.n_cells), static_cast<uint32_t>(k / t.n_cells)};
+    }
+    return {static_cast<uint32_t>(k / t.n_units), static_cast<uint32_t>(k % t.n_units)};
+}
+
+uint64_t state_index(const TensorDesc & t, uint32_t cell, uint32_t unit) {
+    return t.transposed ? static_cast<uint64_t>(unit) * t.n_cells + cell : static_cast<uint64_t>(cell) * t.n_units + unit;
+}
+
+void load_values(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32_t gn, float * out) {
+    const Strides st(t);
+    for (size_t i = 0; i < t.n_cells; i++) {
+        if (t.ggml_type == GGML_F16 && !t.transposed) {
+            f16_row_to_f32(base + i * st.cell + u0 * 2, gn, out + i * gn);
+            continue;
+        }
+        for (uint32_t g = 0; g < gn; g++) {
+            out[i * gn + g] = load_float(base + i * st.cell + (u0 + g) * st.unit, t.ggml_type);
+        }
+    }
+}
+
+// Quantizes the whole tensor, group by group; false when a value is not finite.
+bool prepare_lossy(const uint8_t * base, const TensorDesc & t, float rel_step, const std::vector<uint8_t> & is_sink,
+                   TensorEncoder & e) {
+    TensorStats & s = e.stats;
+    const size_t n = t.n_cells;
+    s.mean_f16.resize(t.n_units);
+    s.step_f16.resize(s.n_groups);
+    s.shrink_u8.resize(s.n_groups);
+    e.sym.resize(n * t.n_units);
+    std::vector<float> values(n * s.group);
+    std::vector<uint8_t> gsym(n * s.group);
+    std::vector<uint32_t> counts(static_cast<size_t>(s.n_groups) * 256, 0);
+    for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+        const uint32_t u0 = gi * s.group, gn = std::min(s.group, t.n_units - u0);
+        load_values(base, t, u0, gn, values.data());
+        double sum[MAX_GROUP] = {0}, sum_sq[MAX_GROUP] = {0};
+        uint64_t count = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (is_sink[i]) {
+                continue;
+            }
+            count++;
+            for (uint32_t g = 0; g < gn; g++) {
+                const double v = values[i * gn + g];
+                sum[g] += v;
+                sum_sq[g] += v * v;
+            }
+        }
+        // One step for the group from its RMS channel deviation: equal error in every channel
+        // minimizes the group's squared error for its bits (measured: less KL at the same size).
+        const double n_samples = static_cast<double>(std::max<uint64_t>(count, 1));
+        double mean_d[MAX_GROUP], var_sum = 0.0;
+        for (uint32_t g = 0; g < gn; g++) {
+            if (!std::isfinite(sum_sq[g])) {
+                return false;
+            }
+            mean_d[g] = sum[g] / n_samples;
+            var_sum += std::max(0.0, sum_sq[g] / n_samples - mean_d[g] * mean_d[g]);
+        }
+        const double step = rel_step * std::sqrt(var_sum / gn);
+        float mean[MAX_GROUP], inv_step[MAX_GROUP];
+        for (uint32_t g = 0; g < gn; g++) {
+            const ChannelQuant cq = channel_quant(mean_d[g], step);
+            s.mean_f16[u0 + g] = cq.mean_f16;
+            s.step_f16[gi] = cq.step_f16;
+            mean[g] = f16_to_f32(cq.mean_f16);
+            inv_step[g] = 1.0f / f16_to_f32(cq.step_f16);
+        }
+        std::vector<Escape> escapes;
+        ShrinkSum shrink;
+        quantize_rows(values.data(), n, gn, mean, inv_step, is_sink.data(), gsym.data(), shrink, escapes);
+        // Values of a bin lie closer to zero than its centre on average (peaked distributions):
+        // the decoder reconstructs |q| - shrink, with the group's measured mean offset.
+        const double mean_shrink =
+            shrink.count ? static_cast<double>(shrink.fixed) / 65536.0 / static_cast<double>(shrink.count) : 0.0;
+        s.shrink_u8[gi] = static_cast<uint8_t>(std::clamp(std::lround(mean_shrink * 256.0), 0L, 127L));
+        uint32_t * c = &counts[static_cast<size_t>(gi) * 256];
+        for (size_t i = 0; i < n; i++) {
+            for (uint32_t g = 0; g < gn; g++) {
+                const uint8_t v = gsym[i * gn + g];
+                e.sym[state_index(t, static_cast<uint32_t>(i), u0 + g)] = v;
+                c[v]++;
+            }
+        }
+        for (const Escape & x : escapes) {
+            e.escapes.push_back({state_index(t, x.cell, u0 + x.lane), x.q});
+        }
+    }
+    std::sort(e.escapes.begin(), e.escapes.end());
+    s.tables.resize(s.n_groups);
+    for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+        rans::build_table(&counts[static_cast<size_t>(gi) * 256], s.tables[gi]);
+    }
+    return true;
+}
+
+void prepare_lossless(const uint8_t * base, const TensorDesc & t, TensorEncoder & e) {
+    TensorStats & s = e.stats;
+    const Strides st(t);
+    s.plane_stored.assign(t.unit_bytes, 0);
+    for (uint32_t b = 0; b < t.unit_bytes; b++) {
+        std::vector<uint32_t> counts(static_cast<size_t>(s.n_groups) * 256, 0);
+        for (size_t i = 0; i < t.n_cells; i++) {
+            for (uint32_t u = 0; u < t.n_units; u++) {
+                counts[(u / s.group) * 256 + base[i * st.cell + u * st.unit + b]]++;
+            }
+        }
+        std::vector<rans::Table> tables(s.n_groups);
+        double bits = 8.0 * rans::STATE_BYTES;
+        for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+            rans::build_table(&counts[static_cast<size_t>(gi) * 256], tables[gi]);
+            bits += rans::coded_bits(&counts[static_cast<size_t>(gi) * 256], tables[gi]) +
+                    8.0 * (2 + 1.5 * (tables[gi].last - tables[gi].first + 1));
+        }
+        // Mantissa bytes are close to uniform: their tables would cost more than coding saves.
+        if (bits >= 8.0 * static_cast<double>(t.n_cells) * t.n_units) {
+            s.plane_stored[b] = 1;
+        } else {
+            s.tables.insert(s.tables.end(), tables.begin(), tables.end());
+        }
+    }
+}
+
+// ---- decoding, lossy --------------------------------------------------------------------------
+
+// Where object element k goes and how it is rebuilt.
+struct LossyDst {
+    const TensorDesc * obj;
+    const uint32_t * slots;  // n_groups x 4096
+    const float * mean;      // per unit
+    const float * step;      // per group
+    const float * shrink;    // per group
+    uint32_t group;
+    uint8_t * base;  // destination tensor
+    Strides dst;
+    const uint32_t * row_cell;
+};
+
+inline uint8_t * element_ptr(const LossyDst & d, RowUnit ru) {
+    return d.base + d.row_cell[ru.row] * d.dst.cell + ru.unit * d.dst.unit;
+}
+
+inline void store_value(const LossyDst & d, RowUnit ru, float q) {
+    const uint32_t gi = ru.unit / d.group;
+    store_float(element_ptr(d, ru), d.obj->ggml_type, dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], q));
+}
+
+void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, size_t k0, size_t n, std::vector<uint64_t> & esc) {
+    const TensorDesc & t = *d.obj;
+    rans::decode_stream(
+        c, k0, n, [&](size_t k) { return d.slots + (row_unit(t, k).unit / d.group) * rans::PROB_SCALE; },
+        [&](size_t k, uint8_t s) {
+            if (s == SYM_ESCAPE) {
+                esc.push_back(k);
+            }
+            store_value(d, row_unit(t, k), static_cast<float>(static_cast<int32_t>(s) - SYM_ZERO));
+        });
+}
+
+#if defined(__x86_64__)
+struct PermTable {
+    alignas(32) int32_t idx[256][8];
+    PermTable() {
+        for (int m = 0; m < 256; m++) {
+            for (int j = 0; j < 8; j++) {
+                idx[m][j] = __builtin_popcount(m & ((1 << j) - 1));
+            }
+        }
+    }
+};
+const PermTable perm_table;
+
+// f16 destination rows at consecutive cells from row_cell[0]; 8 consecutive elements of the
+// object share a row (units % 8 == 0) or a unit (transposed, cells % 8 == 0). Returns the element
+// reached: a multiple of 32, where the scalar decoder takes over (the last, partial step, or the
+// last 32 words, which are read with bounds checks).
+__attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor & c, const LossyDst & d, size_t n,
+                                                                   std::vector<uint64_t> & esc) {
+    const TensorDesc & t = *d.obj;
+    const uint32_t c0 = d.row_cell[0];
+    __m256i x[4];
+    for (int v = 0; v < 4; v++) {
+        x[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c.x + 8 * v));
+    }
+    const __m256i mask12 = _mm256_set1_epi32(rans::PROB_SCALE - 1), mask8 = _mm256_set1_epi32(0xff);
+    const __m256i one = _mm256_set1_epi32(1), low = _mm256_set1_epi32(rans::STATE_LOW);
+    const __m256i sym_zero = _mm256_set1_epi32(SYM_ZERO), zero = _mm256_setzero_si256();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    uint32_t row = 0, unit = 0;  // of the next vector's first element
+    size_t k = 0;
+    const size_t n_full = n / rans::LANES * rans::LANES;
+    while (k < n_full && c.end - c.ptr >= 2 * static_cast<ptrdiff_t>(rans::LANES)) {
+        for (int v = 0; v < 4; v++) {
+            const uint32_t gi = unit / d.group;
+            __m256 mean;
+            uint8_t * out;
+            if (t.transposed) {
+                mean = _mm256_set1_ps(d.mean[unit]);
+                out = d.base + unit * d.dst.unit + (c0 + row) * 2;
+                if ((row += 8) == t.n_cells) {
+                    row = 0;
+                    unit++;
+                }
+            } else {
+                mean = _mm256_loadu_ps(d.mean + unit);
+                out = d.base + (c0 + row) * d.dst.cell + unit * 2;
+                if ((unit += 8) == t.n_units) {
+                    unit = 0;
+                    row++;
+                }
+            }
+            const int * slots = reinterpret_cast<const int *>(d.slots + gi * rans::PROB_SCALE);
+            const __m256i e = _mm256_i32gather_epi32(slots, _mm256_and_si256(x[v], mask12), 4);
+            const __m256i s = _mm256_and_si256(e, mask8);
+            const __m256i freq = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 8), _mm256_set1_epi32(0xfff)), one);
+            __m256i xv = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x[v], rans::PROB_BITS)),
+                                          _mm256_srli_epi32(e, 20));
+            const __m256i need = _mm256_cmpgt_epi32(low, xv);
+            const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+            if (mask) {
+                const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(c.ptr)));
+                const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i *>(perm_table.idx[mask]));
+                const __m256i w = _mm256_permutevar8x32_epi32(words, idx);
+                xv = _mm256_blendv_epi8(xv, _mm256_or_si256(_mm256_slli_epi32(xv, 16), w), need);
+                c.ptr += 2 * __builtin_popcount(mask);
+            }
+            x[v] = xv;
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(s, sym_zero));
+            const __m256 nonzero = _mm256_cmp_ps(q, _mm256_setzero_ps(), _CMP_NEQ_OQ);
+            const __m256 sh = _mm256_and_ps(nonzero, _mm256_or_ps(_mm256_and_ps(q, sign), _mm256_set1_ps(d.shrink[gi])));
+            const __m256 val = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(q, sh), _mm256_set1_ps(d.step[gi])), mean);
+            _mm_storeu_si128(reinterpret_cast<__m128i *>(out), _mm256_cvtps_ph(val, _MM_FROUND_TO_NEAREST_INT));
+            int escapes = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(s, zero)));
+            while (escapes) {
+                esc.push_back(k + 8 * v + __builtin_ctz(escapes));
+                escapes &= escapes - 1;
+            }
+        }
+        k += rans::LANES;
+    }
+    for (int v = 0; v < 4; v++) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(c.x + 8 * v), x[v]);
+    }
+    return k;
+}
+#endif
+
+void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorStats & s, uint8_t * base,
+                  const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
+    const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
+    const uint32_t stream_bytes = r.u32();
+    const uint8_t * stream = r.take(stream_bytes);
+    std::vector<uint32_t> slots(static_cast<size_t>(s.n_groups) * rans::PROB_SCALE);
+    std::vector<float> mean(obj.n_units), step(s.n_groups), shrink(s.n_groups);
+    for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+        rans::build_decode_slots(s.tables[gi], &slots[static_cast<size_t>(gi) * rans::PROB_SCALE]);
+        step[gi] = f16_to_f32(s.step_f16[gi]);
+        shrink[gi] = static_cast<float>(s.shrink_u8[gi]) * (1.0f / 256.0f);
+    }
+    for (uint32_t u = 0; u < obj.n_units; u++) {
+        mean[u] = f16_to_f32(s.mean_f16[u]);
+    }
+    const LossyDst d{&obj, slots.data(), mean.data(), step.data(), shrink.data(), s.group, base, Strides(dst),
+                     row_cell.data()};
+    rans::Cursor c = rans::open_stream(stream, stream_bytes);
+    std::vector<uint64_t> esc;
+    size_t k = 0;
+#if defined(__x86_64__)
+    bool contiguous = true;
+    for (size_t i = 1; i < row_cell.size() && contiguous; i++) {
+        contiguous = row_cell[i] == row_cell[0] + i;
+    }
+    if (cpu_has_avx2 && contiguous && obj.ggml_type == GGML_F16 &&
+        (obj.transposed ? obj.n_cells % 8 == 0 : obj.n_units % 8 == 0)) {
+        k = decode_lossy_f16_avx2(c, d, n, esc);
+    }
+#endif
+    decode_lossy_scalar(c, d, k, n, esc);
+    rans::close_stream(c);
+    const uint64_t n_escapes = r.varint();
+    LCG_CHECK(n_escapes == esc.size(), LCG_ERR_CORRUPT, "tensor declares %llu escapes, its symbols %zu",
+              (unsigned long long) n_escapes, esc.size());
+    for (uint64_t k_esc : esc) {
+        const int64_t q = zigzag_decode(r.varint());
+        LCG_CHECK(q >= -MAX_ESCAPE_Q && q <= MAX_ESCAPE_Q, LCG_ERR_CORRUPT, "escaped value %lld", (long long) q);
+        store_value(d, row_unit(obj, k_esc), static_cast<float>(q));
+    }
+}
+
+void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorStats & s, uint8_t * base,
+                     const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
+    const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
+    const Strides ds(dst);
+    auto at = [&](size_t k) {
+        const RowUnit ru = row_unit(obj, k);
+        return base + row_cell[ru.row] * ds.cell + ru.unit * ds.unit;
+    };
+    std::vector<uint32_t> slots;
+    const rans::Table * tables = s.tables.data();
+    for (uint32_t b = 0; b < obj.unit_bytes; b++) {
+        if (s.plane_stored[b]) {
+            const uint8_t * raw = r.take(n);
+            for (size_t k = 0; k < n; k++) {
+                at(k)[b] = raw[k];
+            }
+            continue;
+        }
+        slots.resize(static_cast<size_t>(s.n_groups) * rans::PROB_SCALE);
+        for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+            rans::build_decode_slots(tables[gi], &slots[static_cast<size_t>(gi) * rans::PROB_SCALE]);
+        }
+        tables += s.n_groups;
+        const uint32_t stream_bytes = r.u32();
+        rans::Cursor c = rans::open_stream(r.take(stream_bytes), stream_bytes);
+        rans::decode_stream(
+            c, 0, n, [&](size_t k) { return &slots[(row_unit(obj, k).unit / s.group) * rans::PROB_SCALE]; },
+            [&](size_t k, uint8_t v) { at(k)[b] = v; });
+        rans::close_stream(c);
+    }
+}
+
+} // namespace
+
+void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t) {
+    w.u8(s.lossy ? CODING_LOSSY : CODING_LOSSLESS);
+    w.u8(static_cast<uint8_t>(s.group));
+    w.u16(0);
+    if (s.lossy) {
+        for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+            w.u16(s.step_f16[gi]);
+            w.u8(s.shrink_u8[gi]);
+        }
+        for (uint16_t m : s.mean_f16) {
+            w.u16(m);
+        }
+    } else {
+        for (uint8_t stored : s.plane_stored) {
+            w.u8(stored);
+        }
+    }
+    for (const rans::Table & table : s.tables) {
+        rans::write_table(w, table);
+    }
+}
+
+TensorStats read_stats(ByteReader & r, const TensorDesc & t) {
+    TensorStats s;
+    const uint8_t coding = r.u8();
+    s.group = r.u8();
+    r.u16();
+    LCG_CHECK(coding <= CODING_LOSSY && (s.group == 8 || s.group == 16 || s.group == 32), LCG_ERR_CORRUPT,
+              "tensor statistics: coding %u, group of %u units", coding, s.group);
+    s.lossy = coding == CODING_LOSSY;
+    LCG_CHECK(!s.lossy || ggml_type_info(t.ggml_type)->is_float, LCG_ERR_CORRUPT, "lossy statistics for a %s tensor",
+              ggml_type_info(t.ggml_type)->name);
+    s.n_groups = (t.n_units + s.group - 1) / s.group;
+    size_t n_tables = s.n_groups;
+    if (s.lossy) {
+        LCG_CHECK(s.n_groups <= r.remaining() / 3 && t.n_units <= r.remaining() / 2, LCG_ERR_CORRUPT,
+                  "tensor statistics for %u units in %zu bytes", t.n_units, r.remaining());
+        s.step_f16.resize(s.n_groups);
+        s.shrink_u8.resize(s.n_groups);
+        for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+            s.step_f16[gi] = r.u16();
+            s.shrink_u8[gi] = r.u8();
+            LCG_CHECK(s.shrink_u8[gi] < 128, LCG_ERR_CORRUPT, "reconstruction offset %u/256", s.shrink_u8[gi]);
+        }
+        s.mean_f16.resize(t.n_units);
+        for (uint32_t u = 0; u < t.n_units; u++) {
+            s.mean_f16[u] = r.u16();
+        }
+    } else {
+        s.plane_stored.resize(t.unit_bytes);
+        size_t coded = 0;
+        for (uint32_t b = 0; b < t.unit_bytes; b++) {
+            s.plane_stored[b] = r.u8();
+            LCG_CHECK(s.plane_stored[b] <= 1, LCG_ERR_CORRUPT, "byte plane mode %u", s.plane_stored[b]);
+            coded += s.plane_stored[b] == 0;
+        }
+        n_tables = coded * s.n_groups;
+    }
+    LCG_CHECK(n_tables <= r.remaining() / 2, LCG_ERR_CORRUPT, "tensor statistics declare %zu tables in %zu bytes",
+              n_tables, r.remaining());
+    s.tables.resize(n_tables);
+    for (rans::Table & table : s.tables) {
+        rans::read_table(r, table);
+    }
+    return s;
+}
+
+void prepare_tensor(const uint8_t * state, const TensorDesc & t, float step, const std::vector<uint8_t> & is_sink,
+                    TensorEncoder & e) {
+    const uint8_t * base = state + t.offset;
+    TensorStats & s = e.stats;
+    s.group = group_size(t.n_cells);
+    s.n_groups = (t.n_units + s.group - 1) / s.group;
+    s.lossy = step > 0.0f && ggml_type_info(t.ggml_type)->is_float && prepare_lossy(base, t, step, is_sink, e);
+    if (!s.lossy) {
+        e = TensorEncoder{};
+        s.group = group_size(t.n_cells);
+        s.n_groups = (t.n_units + s.group - 1) / s.group;
+        prepare_lossless(base, t, e);
+    }
+    e.enc.resize(s.tables.size());
+    for (size_t i = 0; i < s.tables.size(); i++) {
+        rans::build_enc_table(s.tables[i], e.enc[i]);
+    }
+}
+
+void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncoder & e,
+                 const std::vector<uint32_t> & cells, const std::vector<uint8_t> & is_sink, ByteWriter & w) {
+    const TensorStats & s = e.stats;
+    const uint8_t * base = state + t.offset;
+    const Strides st(t);
+    TensorDesc obj = t;
+    obj.n_cells = static_cast<uint32_t>(cells.size());
+    const size_t n = static_cast<size_t>(obj.n_cells) * t.n_units;
+    // Sink rows are kept exact (lossy levels only).
+    std::vector<uint32_t> sinks;
+    if (s.lossy) {
+        for (uint32_t r = 0; r < cells.size(); r++) {
+            if (is_sink[cells[r]]) {
+                sinks.push_back(r);
+            }
+        }
+    }
+    w.u32(static_cast<uint32_t>(sinks.size()));
+    for (uint32_t r : sinks) {
+        w.u32(r);
+    }
+    for (uint32_t r : sinks) {
+        for (uint32_t u = 0; u < t.n_units; u++) {
+            w.put(base + cells[r] * st.cell + u * st.unit, t.unit_bytes);
+        }
+    }
+    auto state_k = [&](size_t k) {
+        const RowUnit ru = row_unit(obj, k);
+        return state_index(t, cells[ru.row], ru.unit);
+    };
+    auto group_of = [&](size_t k) { return row_unit(obj, k).unit / s.group; };
+    std::vector<uint8_t> sym(n);
+    if (s.lossy) {
+        std::vector<int64_t> esc;
+        for (size_t k = 0; k < n; k++) {
+            const uint64_t i = state_k(k);
+            sym[k] = e.sym[i];
+            if (sym[k] == SYM_ESCAPE) {
+                auto it = std::lower_bound(e.escapes.begin(), e.escapes.end(), std::make_pair(i, INT64_MIN));
+                esc.push_back(it->second);
+            }
+        }
+        ByteWriter stream;
+        rans::encode_stream(sym.data(), n, [&](size_t k) -> const rans::EncTable & { return e.enc[group_of(k)]; },
+                            stream);
+        w.u32(static_cast<uint32_t>(stream.buf.size()));
+        w.put(stream.buf.data(), stream.buf.size());
+        w.varint(esc.size());
+        for (int64_t q : esc) {
+            w.varint(zigzag_encode(q));
+        }
+        return;
+    }
+    const rans::EncTable * enc = e.enc.data();
+    for (uint32_t b = 0; b < t.unit_bytes; b++) {
+        for (size_t k = 0; k < n; k++) {
+            const RowUnit ru = row_unit(obj, k);
+            sym[k] = base[cells[ru.row] * st.cell + ru.unit * st.unit + b];
+        }
+        if (s.plane_stored[b]) {
+            w.put(sym.data(), n);
+            continue;
+        }
+        ByteWriter stream;
+        rans::encode_stream(sym.data(), n, [&](size_t k) -> const rans::EncTable & { return enc[group_of(k)]; },
+                            stream);
+        enc += s.n_groups;
+        w.u32(static_cast<uint32_t>(stream.buf.size()));
+        w.put(stream.buf.data(), stream.buf.size());
+    }
+}
+
+void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorStats & s, uint8_t * state,
+                 const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
+    uint8_t * base = state + dst.offset;
+    const Strides ds(dst);
+    const uint32_t n_sink = r.u32();
+    LCG_CHECK(n_sink <= obj.n_cells && n_sink <= r.remaining() / 4, LCG_ERR_CORRUPT, "%u exact rows of %u", n_sink,
+              obj.n_cells);
+    std::vector<uint32_t> sinks(n_sink);
+    for (uint32_t & row : sinks) {
+        row = r.u32();
+        LCG_CHECK(row < obj.n_cells, LCG_ERR_CORRUPT, "exact row %u of %u", row, obj.n_cells);
+    }
+    const uint8_t * raw = r.take(static_cast<size_t>(n_sink) * obj.n_units * obj.unit_bytes);
+    if (s.lossy) {
+        decode_lossy(r, obj, s, base, dst, row_cell);
+    } else {
+        decode_lossless(r, obj, s, base, dst, row_cell);
+    }
+    for (uint32_t i = 0; i < n_sink; i++) {
+        for (uint32_t u = 0; u < obj.n_units; u++) {
+            std::memcpy(base + row_cell[sinks[i]] * ds.cell + u * ds.unit,
+                        raw + (static_cast<size_t>(i) * obj.n_units + u) * obj.unit_bytes, obj.unit_bytes);
+        }
+    }
+}
+
+} // namespace lcg

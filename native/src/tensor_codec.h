@@ -1,0 +1,53 @@
+// tensor_codec.h -- one K/V tensor: its statistics (quantizer and frequency tables, computed once
+// over the whole state) and its coded rows (any subset of cells, e.g. one token chunk).
+// Byte layouts: docs/format.md, "Stats section" and "Tensor section".
+#pragma once
+
+#include "quantize.h"
+#include "rans.h"
+#include "state_format.h"
+
+#include <vector>
+
+namespace lcg {
+
+// How a tensor is coded, shared by every object (whole container or chunk) that codes its rows.
+struct TensorStats {
+    bool lossy = false;
+    uint32_t group = 8;  // units per frequency table (and per quantizer step)
+    uint32_t n_groups = 0;
+    // lossy: per unit mean, per group step and reconstruction offset (f16 / u8 as stored)
+    std::vector<uint16_t> mean_f16, step_f16;
+    std::vector<uint8_t> shrink_u8;
+    // lossless: per byte plane, stored as is (1) or coded (0)
+    std::vector<uint8_t> plane_stored;
+    // lossy: n_groups tables; lossless: n_groups tables per coded plane, plane-major
+    std::vector<rans::Table> tables;
+};
+
+void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t);
+TensorStats read_stats(ByteReader & r, const TensorDesc & t);
+
+// Everything the encoder derives from the whole tensor once, to code any subset of its cells.
+struct TensorEncoder {
+    TensorStats stats;
+    std::vector<uint8_t> sym;                         // lossy: one symbol per element, state order
+    std::vector<std::pair<uint64_t, int64_t>> escapes;  // lossy: (element index in state order, q), sorted
+    std::vector<rans::EncTable> enc;                  // one per table
+};
+
+// Builds the statistics (and, lossy, the symbols) of tensor t of `state`. Lossy when `step` > 0
+// and the values are finite; cells with is_sink[cell] are kept exact.
+void prepare_tensor(const uint8_t * state, const TensorDesc & t, float step, const std::vector<uint8_t> & is_sink,
+                    TensorEncoder & e);
+
+// Codes the rows `cells` (state cell indices, in object row order) of tensor t.
+void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncoder & e,
+                 const std::vector<uint32_t> & cells, const std::vector<uint8_t> & is_sink, ByteWriter & w);
+
+// Decodes one tensor section (m = obj.n_cells rows) into the destination tensor `dst` of the
+// state at `state`: object row r goes to dst cell row_cell[r].
+void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorStats & s, uint8_t * state,
+                 const TensorDesc & dst, const std::vector<uint32_t> & row_cell);
+
+} // namespace lcg
