@@ -3,6 +3,7 @@ subprocess, all on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -14,8 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from llama_cachegen.errors import EntryNotFoundError, InvalidArgumentError
-from llama_cachegen.stores import Store, open_store, read_url, write_url
+from llama_cachegen.errors import AuthenticationError, EntryNotFoundError, InvalidArgumentError, StoreError
+from llama_cachegen.stores import KEY_ENV, TAG_MAGIC, Store, open_store, read_url, write_url
+from llama_cachegen.stores.file import FileStore
+from llama_cachegen.stores.http import TOKEN_ENV
 
 
 def _free_port() -> int:
@@ -176,3 +179,253 @@ def test_http_upload_cut_short_stores_nothing(http_server: tuple[str, Path]) -> 
     with open_store(base) as store:
         assert not store.exists("cut/entry.bin")
     assert not (root / "cut" / "entry.bin").exists()
+
+
+# ---- authenticated objects ---------------------------------------------------------------------
+
+
+def test_tagged_objects_verify_and_refuse_forgeries(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a key every object carries an HMAC tag over its name and bytes: a reader with the key
+    refuses untagged objects, other keys' tags, and tagged objects replayed under another name."""
+    url = store.url if not isinstance(store, FileStore) else store.root
+    keyed = open_store(str(url), auth_key="k1")
+    keyed.put("a/entry.lcg", b"honest bytes")
+    assert keyed.get("a/entry.lcg") == b"honest bytes"
+    assert store.get("a/entry.lcg") == b"honest bytes"  # no key: the tag is dropped, nothing verified
+    store.put("a/forged.lcg", b"written without the key")
+    with pytest.raises(AuthenticationError, match="no authentication tag"):
+        keyed.get("a/forged.lcg")
+    with pytest.raises(AuthenticationError, match="does not match"):
+        open_store(str(url), auth_key="k2").get("a/entry.lcg")
+    raw = open_store(str(url), auth_key="")
+    tagged = raw._get("a/entry.lcg")
+    assert tagged.startswith(TAG_MAGIC) and tagged.endswith(b"honest bytes")
+    raw._put("a/replayed.lcg", tagged)  # a valid object under another key name
+    with pytest.raises(AuthenticationError):
+        keyed.get("a/replayed.lcg")
+    flipped = bytearray(tagged)
+    flipped[-1] ^= 1
+    raw._put("a/flipped.lcg", bytes(flipped))
+    with pytest.raises(AuthenticationError):
+        keyed.get("a/flipped.lcg")
+    monkeypatch.setenv(KEY_ENV, "k1")  # the environment variable is the default key
+    assert open_store(str(url)).get("a/entry.lcg") == b"honest bytes"
+    with pytest.raises(InvalidArgumentError, match="needs a key"):
+        raw.put("a/ambiguous.bin", TAG_MAGIC + b"x")
+    keyed.close()
+    raw.close()
+
+
+def test_read_write_url_tag_with_the_file_name(tmp_path: Path, http_server: tuple[str, Path]) -> None:
+    path = tmp_path / "state.lcg"
+    write_url(path, b"container", auth_key="key")
+    assert read_url(path, auth_key="key") == b"container"
+    path.rename(tmp_path / "other.lcg")
+    with pytest.raises(AuthenticationError):
+        read_url(tmp_path / "other.lcg", auth_key="key")
+    base, _ = http_server
+    write_url(f"{base}/urls/x.lcg", b"remote", auth_key="key")
+    # the same object through a store rooted deeper on the server: the tag binds the server path
+    with open_store(f"{base}/urls", auth_key="key") as store:
+        assert store.get("x.lcg") == b"remote"
+    assert read_url(f"{base}/urls/x.lcg", auth_key="key") == b"remote"
+
+
+# ---- the HTTP server: tokens, limits, smuggling, links ------------------------------------------
+
+
+def _serve(root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cachegen", "serve", "--dir", str(root), "--port", str(port), *args],
+        env={**os.environ, **(env or {})},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_port(port, proc)
+    return proc, port
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    root = tmp_path_factory.mktemp("token-store")
+    proc, port = _serve(root, "--max-body", "100000", "--body-timeout", "1", env={TOKEN_ENV: "s3cret"})
+    try:
+        yield f"http://127.0.0.1:{port}", root
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_token_guards_writes_deletes_and_listings(token_server: tuple[str, Path]) -> None:
+    base, root = token_server
+    with open_store(base, token="s3cret") as owner, open_store(base, token="") as anon:
+        owner.put("t/one.bin", b"1")
+        assert anon.get("t/one.bin") == b"1" and anon.exists("t/one.bin")  # single reads stay open
+        for call in (
+            lambda: anon.put("t/two.bin", b"2"),
+            lambda: anon.delete("t/one.bin"),
+            lambda: anon.list(),
+        ):
+            with pytest.raises(StoreError, match="401"):
+                call()
+        with open_store(base, token="wrong") as wrong, pytest.raises(StoreError, match="401"):
+            wrong.put("t/two.bin", b"2")
+        assert not (root / "t" / "two.bin").exists() and (root / "t" / "one.bin").exists()
+        assert [e.key for e in owner.list("t/")] == ["t/one.bin"]
+
+
+def test_private_server_and_non_loopback_refusal(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("tok\n")
+    proc, port = _serve(tmp_path, "--token-file", str(tmp_path / "token"), "--private")
+    try:
+        with open_store(f"http://127.0.0.1:{port}", token="tok") as owner:
+            owner.put("p.bin", b"private")
+        with open_store(f"http://127.0.0.1:{port}", token="") as anon, pytest.raises(StoreError, match="401"):
+            anon.get("p.bin")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    refused = subprocess.run(
+        [sys.executable, "-m", "llama_cachegen", "serve", "--dir", str(tmp_path), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert (
+        refused.returncode == 1 and "without a token" in refused.stderr and "Traceback" not in refused.stderr
+    )
+
+
+def _exchange(port: int, data: bytes) -> bytes:
+    """Sends raw bytes, returns everything the server answers until it closes (or goes quiet)."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(data)
+        s.settimeout(3)
+        out = b""
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while chunk := s.recv(65536):
+                out += chunk
+    return out
+
+
+_AUTH = b"Host: x\r\nAuthorization: Bearer s3cret\r\n"
+_SMUGGLED = b"DELETE /victim.lcg HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"PUT /a.bin HTTP/1.1\r\n" + _AUTH + b"Content-Length: 8589934592\r\n\r\n",
+        b"PUT /a.bin HTTP/1.1\r\n" + _AUTH + b"Content-Length: 100001\r\n\r\n",
+        b"PUT /a.bin HTTP/1.1\r\n" + _AUTH + b"\r\n",
+        b"PUT /a.bin HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(_SMUGGLED),
+        b"PUT /a.bin HTTP/1.1\r\n" + _AUTH + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"4\r\nabcd\r\n0\r\n\r\n",
+    ],
+    ids=["8GiB-declared", "over-max-body", "no-length", "no-token", "chunked-and-length"],
+)
+def test_refused_bodies_are_never_executed(token_server: tuple[str, Path], head: bytes) -> None:
+    """A refused upload's body (here: a DELETE of another file) is not parsed as a request."""
+    base, root = token_server
+    (root / "victim.lcg").write_bytes(b"victim")
+    answer = _exchange(int(base.rsplit(":", 1)[1]), head + _SMUGGLED)
+    status = answer.split(b"\r\n", 1)[0]
+    assert status.split()[1] in (b"400", b"401", b"411", b"413"), answer[:200]
+    assert answer.count(b"HTTP/1.") == 1  # one reply: the body never became a second request
+    assert (root / "victim.lcg").read_bytes() == b"victim" and not (root / "a.bin").exists()
+
+
+def test_chunked_uploads_are_bounded_and_stalls_dropped(token_server: tuple[str, Path]) -> None:
+    base, root = token_server
+    port = int(base.rsplit(":", 1)[1])
+    head = (
+        b"PUT /c/%s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    chunk = b"%x\r\n%s\r\n" % (60000, b"z" * 60000)
+    assert b" 201 " in _exchange(port, head % b"ok.bin" + chunk + b"0\r\n\r\n").split(b"\r\n", 1)[0]
+    assert (root / "c" / "ok.bin").stat().st_size == 60000
+    assert b" 413 " in _exchange(port, head % b"big.bin" + chunk * 2 + b"0\r\n\r\n")
+    assert b" 408 " in _exchange(port, head % b"stall.bin" + chunk)  # --body-timeout 1, then silence
+    assert sorted(p.name for p in (root / "c").iterdir()) == ["ok.bin"]  # no entry, no temporary
+
+
+def test_idle_connections_do_not_block_requests(token_server: tuple[str, Path]) -> None:
+    base, _ = token_server
+    port = int(base.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+    try:
+        with open_store(base, token="s3cret") as store:
+            store.put("idle/x.bin", b"served")
+            assert store.get("idle/x.bin") == b"served"
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_keep_alive_reuses_one_connection(http_server: tuple[str, Path]) -> None:
+    base, _ = http_server
+    with open_store(base) as store:
+        for i in range(20):
+            store.put(f"ka/{i}.bin", b"x" * i)
+            assert store.get(f"ka/{i}.bin") == b"x" * i
+        pools = list(store._pool.pools._container.values())
+        assert len(pools) == 1 and pools[0].num_connections == 1
+
+
+def test_folders_files_and_links_are_4xx_not_tracebacks(
+    http_server: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    base, root = http_server
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "secret.txt").write_bytes(b"secret")
+    (root / "links").mkdir()
+    (root / "links" / "out").symlink_to(outside)
+    (root / "links" / "file").symlink_to(outside / "secret.txt")
+    with open_store(base) as store:
+        store.put("dir/file.bin", b"f")
+        assert not store.delete("dir")  # a folder is no entry
+        with pytest.raises(StoreError, match="409"):
+            store.put("dir/file.bin/under", b"x")
+        with pytest.raises(StoreError, match="409"):
+            store.put("dir", b"x")
+        with pytest.raises(EntryNotFoundError):
+            store.get("dir")
+        with pytest.raises(EntryNotFoundError):
+            store.get("links/out/secret.txt")
+        with pytest.raises(EntryNotFoundError):
+            store.get("links/file")
+        with pytest.raises(StoreError):
+            store.put("links/out/planted.txt", b"x")
+        with pytest.raises(StoreError):
+            store.put("links/file", b"x")
+        assert not store.delete("links/file") and not store.exists("links/file")
+        assert "links/file" not in {e.key for e in store.list()}
+        assert store.get("dir/file.bin") == b"f"  # the server still answers
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert (outside / "secret.txt").read_bytes() == b"secret"
+
+
+_DEAD_WRITER = """
+import os, sys
+from llama_cachegen.stores.file import FileStore
+pending = FileStore(sys.argv[1]).begin_write("ns/entry.lcg")
+pending.write(b"x" * 5000)
+os._exit(0)  # dies mid-write: the temporary stays
+"""
+
+
+def test_dead_writers_temporaries_are_counted_and_swept_at_once(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-c", _DEAD_WRITER, str(tmp_path)], check=True, timeout=60)
+    store = FileStore(tmp_path)
+    pending = store.temporaries("ns/")
+    assert len(pending) == 1 and pending[0].size == 5000 and store.list() == []
+    live = store.begin_write("ns/live.lcg")  # this process is alive: its temporary stays
+    try:
+        assert store.sweep() == 1  # the dead writer's, without waiting an hour
+        assert len(store.temporaries("ns/")) == 1
+    finally:
+        live.abort()
+    assert store.temporaries() == []

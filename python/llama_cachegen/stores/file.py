@@ -13,6 +13,7 @@ outside it (the root itself may be a link; it is resolved once).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import socket
@@ -180,6 +181,8 @@ class FileStore(Store):
         except (FileNotFoundError, NotADirectoryError):
             raise EntryNotFoundError(f"{key!r} not in {self.url}") from None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link is no entry: a store follows none
+                raise EntryNotFoundError(f"{key!r} is a link in {self.url}, not an entry") from None
             raise self._failure("read", key, exc) from exc
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
