@@ -60,10 +60,12 @@ void build_enc_table(const Table & t, EncTable & e);
 // 4096 decode slots.
 void build_decode_slots(const Table & t, uint32_t * slots);
 
-// Codes sym[0..n) with table_of(k) -> const EncTable & for symbol k, appends the stream to w.
-// A symbol must have nonzero frequency in its table.
+// Codes the symbols of an n_outer x n_inner matrix in memory order (symbol k = outer * n_inner +
+// inner) with table_of(outer, inner) -> const EncTable &, and appends the stream to w. A symbol
+// must have nonzero frequency in its table.
 template <typename TableOf>
-void encode_stream(const uint8_t * sym, size_t n, TableOf && table_of, ByteWriter & w) {
+void encode_stream(const uint8_t * sym, size_t n_outer, size_t n_inner, TableOf && table_of, ByteWriter & w) {
+    const size_t n = n_outer * n_inner;
     std::vector<uint16_t> words(n + 1);
     uint16_t * const end = words.data() + words.size();
     uint16_t * ptr = end;
@@ -71,15 +73,19 @@ void encode_stream(const uint8_t * sym, size_t n, TableOf && table_of, ByteWrite
     for (uint32_t j = 0; j < LANES; j++) {
         x[j] = STATE_LOW;
     }
-    for (size_t k = n; k-- > 0;) {
-        const EncSymbol & e = table_of(k).sym[sym[k]];
-        uint32_t & xj = x[k % LANES];
-        if (xj >= e.x_max) {
-            *--ptr = static_cast<uint16_t>(xj);
-            xj >>= 16;
+    size_t k = n;
+    for (size_t o = n_outer; o-- > 0;) {
+        for (size_t i = n_inner; i-- > 0;) {
+            k--;
+            const EncSymbol & e = table_of(o, i).sym[sym[k]];
+            uint32_t & xj = x[k % LANES];
+            if (xj >= e.x_max) {
+                *--ptr = static_cast<uint16_t>(xj);
+                xj >>= 16;
+            }
+            const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(xj) * e.rcp_freq) >> 32) >> e.rcp_shift;
+            xj = xj + e.bias + q * e.cmpl_freq;
         }
-        const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(xj) * e.rcp_freq) >> 32) >> e.rcp_shift;
-        xj = xj + e.bias + q * e.cmpl_freq;
     }
     for (uint32_t j = 0; j < LANES; j++) {
         w.u32(x[j]);
@@ -120,12 +126,21 @@ inline uint8_t decode_symbol(Cursor & c, uint32_t j, const uint32_t * slots) {
     return static_cast<uint8_t>(e);
 }
 
-// Scalar decode of symbols [k0, n) (k0 a multiple of 32, lanes continue from c): calls
-// emit(k, symbol) in order, with slots_of(k) -> const uint32_t * the decode slots of symbol k.
+// Scalar decode of the symbols from k0 (a multiple of 32: lanes continue from c) to the end of
+// an n_outer x n_inner matrix in memory order: calls emit(outer, inner, symbol) in order, with
+// slots_of(outer, inner) -> const uint32_t * the decode slots of that symbol.
 template <typename SlotsOf, typename Emit>
-void decode_stream(Cursor & c, size_t k0, size_t n, SlotsOf && slots_of, Emit && emit) {
-    for (size_t k = k0; k < n; k++) {
-        emit(k, decode_symbol(c, static_cast<uint32_t>(k % LANES), slots_of(k)));
+void decode_stream(Cursor & c, size_t k0, size_t n_outer, size_t n_inner, SlotsOf && slots_of, Emit && emit) {
+    if (n_inner == 0) {
+        return;
+    }
+    uint32_t j = 0;
+    size_t i = k0 % n_inner;
+    for (size_t o = k0 / n_inner; o < n_outer; o++, i = 0) {
+        for (; i < n_inner; i++) {
+            emit(o, i, decode_symbol(c, j, slots_of(o, i)));
+            j = (j + 1) % LANES;
+        }
     }
 }
 

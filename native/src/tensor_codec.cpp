@@ -36,16 +36,18 @@ struct Strides {
           unit(t.transposed ? static_cast<size_t>(t.n_cells) * t.unit_bytes : t.unit_bytes) {}
 };
 
-// Object element k in memory order (cell-major rows, or unit-major when transposed) as (row, unit).
+// An object's elements in memory order form an outer x inner matrix: cells x units, or units x
+// cells when transposed (llama.cpp's v_trans).
 struct RowUnit {
     uint32_t row, unit;
 };
-inline RowUnit row_unit(const TensorDesc & t, size_t k) {
-    if (t.transposed) {
-        return {static_cast<uint32_t>(k % t.n_cells), static_cast<uint32_t>(k / t.n_cells)};
-    }
-    return {static_cast<uint32_t>(k / t.n_units), static_cast<uint32_t>(k % t.n_units)};
+inline size_t n_outer(const TensorDesc & t) { return t.transposed ? t.n_units : t.n_cells; }
+inline size_t n_inner(const TensorDesc & t) { return t.transposed ? t.n_cells : t.n_units; }
+inline RowUnit row_unit(const TensorDesc & t, size_t outer, size_t inner) {
+    return t.transposed ? RowUnit{static_cast<uint32_t>(inner), static_cast<uint32_t>(outer)}
+                        : RowUnit{static_cast<uint32_t>(outer), static_cast<uint32_t>(inner)};
 }
+inline RowUnit row_unit(const TensorDesc & t, size_t k) { return row_unit(t, k / n_inner(t), k % n_inner(t)); }
 
 uint64_t state_index(const TensorDesc & t, uint32_t cell, uint32_t unit) {
     return t.transposed ? static_cast<uint64_t>(unit) * t.n_cells + cell : static_cast<uint64_t>(cell) * t.n_units + unit;
@@ -191,15 +193,17 @@ inline void store_value(const LossyDst & d, RowUnit ru, float q) {
     store_float(element_ptr(d, ru), d.obj->ggml_type, dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], q));
 }
 
-void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, size_t k0, size_t n, std::vector<uint64_t> & esc) {
+void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, size_t k0, std::vector<uint64_t> & esc) {
     const TensorDesc & t = *d.obj;
+    const size_t inner = n_inner(t);
     rans::decode_stream(
-        c, k0, n, [&](size_t k) { return d.slots + (row_unit(t, k).unit / d.group) * rans::PROB_SCALE; },
-        [&](size_t k, uint8_t s) {
+        c, k0, n_outer(t), inner,
+        [&](size_t o, size_t i) { return d.slots + (row_unit(t, o, i).unit / d.group) * rans::PROB_SCALE; },
+        [&](size_t o, size_t i, uint8_t s) {
             if (s == SYM_ESCAPE) {
-                esc.push_back(k);
+                esc.push_back(o * inner + i);
             }
-            store_value(d, row_unit(t, k), static_cast<float>(static_cast<int32_t>(s) - SYM_ZERO));
+            store_value(d, row_unit(t, o, i), static_cast<float>(static_cast<int32_t>(s) - SYM_ZERO));
         });
 }
 
@@ -321,7 +325,7 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorStats & s,
         k = decode_lossy_f16_avx2(c, d, n, esc);
     }
 #endif
-    decode_lossy_scalar(c, d, k, n, esc);
+    decode_lossy_scalar(c, d, k, esc);
     rans::close_stream(c);
     const uint64_t n_escapes = r.varint();
     LCG_CHECK(n_escapes == esc.size(), LCG_ERR_CORRUPT, "tensor declares %llu escapes, its symbols %zu",
@@ -337,17 +341,16 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorStats &
                      const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
     const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
     const Strides ds(dst);
-    auto at = [&](size_t k) {
-        const RowUnit ru = row_unit(obj, k);
-        return base + row_cell[ru.row] * ds.cell + ru.unit * ds.unit;
-    };
+    auto at = [&](RowUnit ru) { return base + row_cell[ru.row] * ds.cell + ru.unit * ds.unit; };
     std::vector<uint32_t> slots;
     const rans::Table * tables = s.tables.data();
     for (uint32_t b = 0; b < obj.unit_bytes; b++) {
         if (s.plane_stored[b]) {
             const uint8_t * raw = r.take(n);
-            for (size_t k = 0; k < n; k++) {
-                at(k)[b] = raw[k];
+            for (size_t o = 0, k = 0; o < n_outer(obj); o++) {
+                for (size_t i = 0; i < n_inner(obj); i++, k++) {
+                    at(row_unit(obj, o, i))[b] = raw[k];
+                }
             }
             continue;
         }
@@ -359,8 +362,9 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorStats &
         const uint32_t stream_bytes = r.u32();
         rans::Cursor c = rans::open_stream(r.take(stream_bytes), stream_bytes);
         rans::decode_stream(
-            c, 0, n, [&](size_t k) { return &slots[(row_unit(obj, k).unit / s.group) * rans::PROB_SCALE]; },
-            [&](size_t k, uint8_t v) { at(k)[b] = v; });
+            c, 0, n_outer(obj), n_inner(obj),
+            [&](size_t o, size_t i) { return &slots[(row_unit(obj, o, i).unit / s.group) * rans::PROB_SCALE]; },
+            [&](size_t o, size_t i, uint8_t v) { at(row_unit(obj, o, i))[b] = v; });
         rans::close_stream(c);
     }
 }
@@ -479,27 +483,38 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
             w.put(base + cells[r] * st.cell + u * st.unit, t.unit_bytes);
         }
     }
-    auto state_k = [&](size_t k) {
-        const RowUnit ru = row_unit(obj, k);
-        return state_index(t, cells[ru.row], ru.unit);
-    };
-    auto group_of = [&](size_t k) { return row_unit(obj, k).unit / s.group; };
+    // The object's symbols (or byte planes) in its memory order, from the state's.
     std::vector<uint8_t> sym(n);
-    if (s.lossy) {
-        std::vector<int64_t> esc;
-        for (size_t k = 0; k < n; k++) {
-            const uint64_t i = state_k(k);
-            sym[k] = e.sym[i];
-            if (sym[k] == SYM_ESCAPE) {
-                auto it = std::lower_bound(e.escapes.begin(), e.escapes.end(), std::make_pair(i, INT64_MIN));
-                esc.push_back(it->second);
+    auto gather = [&](auto && value_of) {
+        for (size_t o = 0, k = 0; o < n_outer(obj); o++) {
+            for (size_t i = 0; i < n_inner(obj); i++, k++) {
+                const RowUnit ru = row_unit(obj, o, i);
+                sym[k] = value_of(cells[ru.row], ru.unit);
             }
         }
+    };
+    auto coded = [&](const rans::EncTable * tables) {
         ByteWriter stream;
-        rans::encode_stream(sym.data(), n, [&](size_t k) -> const rans::EncTable & { return e.enc[group_of(k)]; },
-                            stream);
+        rans::encode_stream(
+            sym.data(), n_outer(obj), n_inner(obj),
+            [&](size_t o, size_t i) -> const rans::EncTable & { return tables[row_unit(obj, o, i).unit / s.group]; },
+            stream);
         w.u32(static_cast<uint32_t>(stream.buf.size()));
         w.put(stream.buf.data(), stream.buf.size());
+    };
+    if (s.lossy) {
+        gather([&](uint32_t cell, uint32_t unit) { return e.sym[state_index(t, cell, unit)]; });
+        coded(e.enc.data());
+        std::vector<int64_t> esc;
+        for (size_t o = 0, k = 0; o < n_outer(obj); o++) {
+            for (size_t i = 0; i < n_inner(obj); i++, k++) {
+                if (sym[k] == SYM_ESCAPE) {
+                    const RowUnit ru = row_unit(obj, o, i);
+                    const uint64_t at = state_index(t, cells[ru.row], ru.unit);
+                    esc.push_back(std::lower_bound(e.escapes.begin(), e.escapes.end(), std::make_pair(at, INT64_MIN))->second);
+                }
+            }
+        }
         w.varint(esc.size());
         for (int64_t q : esc) {
             w.varint(zigzag_encode(q));
@@ -508,20 +523,13 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     }
     const rans::EncTable * enc = e.enc.data();
     for (uint32_t b = 0; b < t.unit_bytes; b++) {
-        for (size_t k = 0; k < n; k++) {
-            const RowUnit ru = row_unit(obj, k);
-            sym[k] = base[cells[ru.row] * st.cell + ru.unit * st.unit + b];
-        }
+        gather([&](uint32_t cell, uint32_t unit) { return base[cell * st.cell + unit * st.unit + b]; });
         if (s.plane_stored[b]) {
             w.put(sym.data(), n);
-            continue;
+        } else {
+            coded(enc);
+            enc += s.n_groups;
         }
-        ByteWriter stream;
-        rans::encode_stream(sym.data(), n, [&](size_t k) -> const rans::EncTable & { return enc[group_of(k)]; },
-                            stream);
-        enc += s.n_groups;
-        w.u32(static_cast<uint32_t>(stream.buf.size()));
-        w.put(stream.buf.data(), stream.buf.size());
     }
 }
 

@@ -1,0 +1,122 @@
+"""The 32-lane stream layout at its edges: the AVX2 decoder and the scalar reference write the same
+bytes (LCG_NO_SIMD forces the scalar paths in a subprocess), any thread count gives the same
+container, and a state cut into chunks decodes to exactly what the whole container gives."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cachegen as lcg
+import numpy as np
+import pytest
+from conftest import kv_cache_bytes, seq_buffer
+
+LEVELS = ("lossless", "high", "balanced", "compact")
+# (cells, channels, v_trans): 1 token, 1 channel, cells and channels that are not multiples of
+# 32 / 8 / 4, and the SmolLM2 shape.
+SHAPES = [(1, 64, False), (1, 64, True), (5, 1, False), (37, 24, True), (64, 40, False), (300, 64, True),
+          (300, 64, False), (256, 192, True), (9, 3, True)]
+
+
+def _state(cells: int, channels: int, v_trans: bool, kind: str) -> bytes:
+    rng = np.random.default_rng(cells * 1000 + channels)
+    state = bytearray(seq_buffer(kv_cache_bytes(rng, n_embd=channels, cells_per_stream=(cells,), v_trans=v_trans)))
+    if kind == "outliers":  # escapes: a few values hundreds of steps from their channel's mean
+        body = np.frombuffer(state, np.uint8, offset=len(state) - 2 * cells * channels).view(np.float16).copy()
+        body[:: max(1, body.size // 7)] = 900.0
+        state[len(state) - body.nbytes :] = body.tobytes()
+    elif kind == "constant":  # one-symbol tables: the whole last tensor at one value
+        state[len(state) - 2 * cells * channels :] = np.full(cells * channels, 0.25, np.float16).tobytes()
+    return bytes(state)
+
+
+def _cases() -> dict[str, bytes]:
+    cases = {}
+    for cells, channels, v_trans in SHAPES:
+        for kind in ("normal", "outliers", "constant"):
+            cases[f"{cells}x{channels}{'T' if v_trans else ''}-{kind}"] = _state(cells, channels, v_trans, kind)
+    return cases
+
+
+_DIGESTS = """
+import hashlib, sys, llama_cachegen as l
+for path in sys.argv[1:]:
+    s = open(path, 'rb').read()
+    for level in {levels!r}:
+        blob = l.encode(s, level, threads=1)
+        print(path, level, hashlib.sha256(blob).hexdigest(), hashlib.sha256(l.decode(blob)).hexdigest())
+"""
+
+
+def _digests(paths: list[str], env: dict[str, str]) -> list[str]:
+    script = _DIGESTS.format(levels=LEVELS)
+    out = subprocess.run([sys.executable, "-c", script, *paths], env=env, capture_output=True, check=True, text=True)
+    return out.stdout.splitlines()
+
+
+def test_simd_and_scalar_paths_agree_on_every_shape(tmp_path: Path) -> None:
+    paths = []
+    for name, state in _cases().items():
+        path = tmp_path / f"{name}.bin"
+        path.write_bytes(state)
+        paths.append(str(path))
+    simd = _digests(paths, dict(os.environ))
+    scalar = _digests(paths, os.environ | {"LCG_NO_SIMD": "1"})
+    assert len(simd) == len(paths) * len(LEVELS)
+    assert simd == scalar
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_round_trip_and_threads(name: str) -> None:
+    state = _cases()[name]
+    assert lcg.decode(lcg.encode(state, "lossless")) == state
+    for level in LEVELS[1:]:
+        blob = lcg.encode(state, level, threads=1)
+        assert lcg.encode(state, level, threads=2) == blob
+        out = lcg.decode(blob, threads=2)
+        assert out == lcg.decode(blob, threads=1) and len(out) == len(state)
+        if name.endswith("constant"):  # a constant tensor comes back exactly
+            tail = 2 * int(name.split("x")[0]) * int(name.split("x")[1].split("-")[0].rstrip("T"))
+            assert out[-tail:] == state[-tail:]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 100])
+@pytest.mark.parametrize("level", LEVELS)
+def test_chunks_decode_to_the_whole_containers_state(chunk: int, level: str) -> None:
+    """Chunks share the whole state's statistics: assembling them gives the whole decode, bit for bit."""
+    for cells, channels, v_trans in [(300, 64, True), (300, 64, False), (37, 24, True), (5, 1, False)]:
+        state = _state(cells, channels, v_trans, "outliers")
+        chunker = lcg.codec.Chunker(state, level)
+        stats = chunker.stats()
+        stats_id = hashlib.sha256(stats).digest()
+        skeleton = lcg.codec.encode_skeleton(state)
+        out = lcg.codec.skeleton_state(skeleton, cells)
+        assert len(out) == len(state)
+        bounds = list(range(0, cells, chunk)) + [cells]
+        for begin, end in reversed(list(zip(bounds, bounds[1:]))):  # any order
+            lcg.codec.decode_chunk(chunker.chunk(begin, end, stats_id), stats, stats_id, out)
+        assert out == lcg.decode(lcg.encode(state, level))
+        if level == "lossless":
+            assert out == state
+
+
+def test_prefix_states_and_splice() -> None:
+    state = _state(300, 64, True, "normal")
+    skeleton = lcg.codec.encode_skeleton(state)
+    prefix = lcg.codec.skeleton_state(skeleton, 100)
+    assert lcg.inspect_state(prefix)["cells"] == 100 and lcg.inspect_state(prefix)["chunkable"]
+    lcg.codec.splice(prefix, state, 0, 100)  # rows of positions 0..99 from the full state
+    chunker = lcg.codec.Chunker(state, "lossless")
+    stats = chunker.stats()
+    sid = hashlib.sha256(stats).digest()
+    rebuilt = lcg.codec.skeleton_state(skeleton, 100)
+    lcg.codec.decode_chunk(chunker.chunk(0, 100, sid), stats, sid, rebuilt)
+    assert rebuilt == prefix
+    with pytest.raises(lcg.CorruptDataError, match="other statistics"):
+        lcg.codec.decode_chunk(chunker.chunk(0, 100, sid), stats, bytes(32), rebuilt)
+    with pytest.raises(lcg.InvalidArgumentError):
+        lcg.codec.decode_chunk(chunker.chunk(100, 200, sid), stats, sid, rebuilt)  # past the prefix
