@@ -18,15 +18,28 @@ from conftest import kv_cache_bytes, seq_buffer
 LEVELS = ("lossless", "high", "balanced", "compact")
 # (cells, channels, v_trans): 1 token, 1 channel, cells and channels that are not multiples of
 # 32 / 8 / 4, and the SmolLM2 shape.
-SHAPES = [(1, 64, False), (1, 64, True), (5, 1, False), (37, 24, True), (64, 40, False), (300, 64, True),
-          (300, 64, False), (256, 192, True), (9, 3, True)]
+SHAPES = [
+    (1, 64, False),
+    (1, 64, True),
+    (5, 1, False),
+    (37, 24, True),
+    (64, 40, False),
+    (300, 64, True),
+    (300, 64, False),
+    (256, 192, True),
+    (9, 3, True),
+]
 
 
 def _state(cells: int, channels: int, v_trans: bool, kind: str) -> bytes:
     rng = np.random.default_rng(cells * 1000 + channels)
-    state = bytearray(seq_buffer(kv_cache_bytes(rng, n_embd=channels, cells_per_stream=(cells,), v_trans=v_trans)))
+    state = bytearray(
+        seq_buffer(kv_cache_bytes(rng, n_embd=channels, cells_per_stream=(cells,), v_trans=v_trans))
+    )
     if kind == "outliers":  # escapes: a few values hundreds of steps from their channel's mean
-        body = np.frombuffer(state, np.uint8, offset=len(state) - 2 * cells * channels).view(np.float16).copy()
+        body = (
+            np.frombuffer(state, np.uint8, offset=len(state) - 2 * cells * channels).view(np.float16).copy()
+        )
         body[:: max(1, body.size // 7)] = 900.0
         state[len(state) - body.nbytes :] = body.tobytes()
     elif kind == "constant":  # one-symbol tables: the whole last tensor at one value
@@ -38,7 +51,9 @@ def _cases() -> dict[str, bytes]:
     cases = {}
     for cells, channels, v_trans in SHAPES:
         for kind in ("normal", "outliers", "constant"):
-            cases[f"{cells}x{channels}{'T' if v_trans else ''}-{kind}"] = _state(cells, channels, v_trans, kind)
+            cases[f"{cells}x{channels}{'T' if v_trans else ''}-{kind}"] = _state(
+                cells, channels, v_trans, kind
+            )
     return cases
 
 
@@ -54,7 +69,9 @@ for path in sys.argv[1:]:
 
 def _digests(paths: list[str], env: dict[str, str]) -> list[str]:
     script = _DIGESTS.format(levels=LEVELS)
-    out = subprocess.run([sys.executable, "-c", script, *paths], env=env, capture_output=True, check=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script, *paths], env=env, capture_output=True, check=True, text=True
+    )
     return out.stdout.splitlines()
 
 
@@ -97,7 +114,7 @@ def test_chunks_decode_to_the_whole_containers_state(chunk: int, level: str) -> 
         out = lcg.codec.skeleton_state(skeleton, cells)
         assert len(out) == len(state)
         bounds = list(range(0, cells, chunk)) + [cells]
-        for begin, end in reversed(list(zip(bounds, bounds[1:]))):  # any order
+        for begin, end in reversed(list(zip(bounds, bounds[1:], strict=False))):  # any order
             lcg.codec.decode_chunk(chunker.chunk(begin, end, stats_id), stats, stats_id, out)
         assert out == lcg.decode(lcg.encode(state, level))
         if level == "lossless":
