@@ -132,3 +132,36 @@ def test_cache_is_namespaced_by_model_fingerprint(tmp_path: Path, state: llama_c
     bound[[1, 2, 3]] = state
     assert [1, 2, 3, 4] in bound and bound.namespace != "default"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["default", bound.namespace])
+
+
+_DEAD_WRITER = """
+import os, sys
+from llama_cachegen.stores.file import FileStore
+FileStore(sys.argv[1]).begin_write("default/killed.lcg").write(b"x" * int(sys.argv[2]))
+os._exit(0)  # dies mid-write: the temporary stays
+"""
+
+
+def test_partial_writes_count_against_capacity_and_dead_ones_go_at_once(
+    tmp_path: Path, state: llama_cpp.llama.LlamaState
+) -> None:
+    probe = CompressedStateCache(tmp_path / "probe", level="lossless")
+    probe[[1, 2, 3]] = state
+    entry = probe.cache_size
+    cache = CompressedStateCache(tmp_path / "c", level="lossless", capacity_bytes=int(entry * 3.5))
+    subprocess.run(
+        [sys.executable, "-c", _DEAD_WRITER, str(tmp_path / "c"), str(entry)], check=True, timeout=60
+    )
+    live = cache.store.begin_write("default/in-progress.lcg")  # a writer still at work (this process)
+    live.write(b"x" * entry)
+    try:
+        assert cache.cache_size == 2 * entry  # both temporaries take space
+        for i in range(3):
+            cache[[200 + i, 1]] = state
+            assert cache.cache_size <= cache.capacity_bytes
+        # the dead writer's temporary was swept on the first insert; the live one still counts
+        (remaining,) = cache.store.temporaries()
+        assert remaining.key.endswith("-in-progress.lcg")
+        assert len(cache._entries()) == 2  # 3.5 entries of room, one taken by the live write
+    finally:
+        live.abort()

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 from llama_cachegen import codec
 from llama_cachegen.errors import CorruptDataError, InvalidArgumentError, ModelMismatchError
-from llama_cachegen.llama import Llama, StateMeta, load_compressed_state, save_compressed_state
+from llama_cachegen.llama import (
+    Llama,
+    StateMeta,
+    load_compressed_state,
+    model_fingerprint,
+    save_compressed_state,
+)
 from llama_cachegen.model import default_model_path, sample_text
 from llama_cachegen.quality import compare_logits
 
@@ -200,10 +206,15 @@ def test_corrupted_file_is_refused(target: Llama, source_blob: bytes) -> None:
 
 
 def test_llama_cpp_refusal_puts_the_context_back(source_blob: bytes) -> None:
-    """Flash attention stores V untransposed: the fingerprint matches, llama.cpp itself refuses."""
+    """Flash attention stores V untransposed: with the fingerprint forged to match (the real one
+    names flash_attn), llama.cpp itself refuses."""
     llm = _llama(flash_attn=True)
     llm.eval(llm.tokenize(b"A flash attention context."))
-    _assert_mismatch_leaves_context(llm, source_blob, ModelMismatchError, "put back as it was")
+    _assert_mismatch_leaves_context(llm, source_blob, ModelMismatchError, "flash_attn: saved 'disabled'")
+    meta = StateMeta.unpack(codec.user_meta(source_blob))
+    meta.fingerprint = model_fingerprint(llm)
+    forged = codec.encode(codec.decode(source_blob), "lossless", user_meta=meta.pack())
+    _assert_mismatch_leaves_context(llm, forged, ModelMismatchError, "put back as it was")
 
 
 def test_save_to_bytes_and_report(saved: dict[str, Any], tmp_path: Path) -> None:

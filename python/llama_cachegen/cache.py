@@ -12,7 +12,7 @@ namespace is the model fingerprint once the cache is bound to a model (`model=` 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,26 @@ import numpy as np
 from llama_cpp.llama_cache import BaseLlamaCache
 
 from . import codec
-from .errors import CacheGenError, EntryNotFoundError
+from .errors import (
+    AuthenticationError,
+    CacheGenError,
+    CorruptDataError,
+    EntryNotFoundError,
+    ModelMismatchError,
+)
 from .llama import StateMeta, check_fingerprint, fingerprint_key, model_fingerprint
 from .model import cache_dir
 from .stores import EntryInfo, Store, open_store
 
 _STATE, _KEY = ".lcg", ".tok"
+
+
+class _CachedState(llama_cpp.llama.LlamaState):
+    """A cache hit; `discard` drops its entry if llama.cpp refuses the state after all."""
+
+    def __init__(self, discard: Callable[[], None], **fields: Any) -> None:
+        super().__init__(**fields)
+        self.discard = discard
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -40,7 +54,13 @@ class CompressedStateCache(BaseLlamaCache):
 
     `store` is a store URL (`file://dir`, `redis://…`, `http://…`) or a Store; the default is a
     folder in the llama-cachegen cache directory. `capacity_bytes` bounds the bytes stored in this
-    cache's namespace; the least recently used entries go first.
+    cache's namespace, partial writes included; the least recently used entries go first.
+
+    A hit is reported only for an entry that passed every check that needs no context: its
+    authentication tag (when the store has a key), its envelope, the fingerprint, its size, its
+    decode. An entry that fails one, or that llama.cpp still refuses (llama_cachegen.Llama), is
+    removed and counts as a miss. An unbound cache (a plain llama_cpp.Llama without `model=`)
+    cannot check the fingerprint: bind it whenever processes with other settings share a store.
     """
 
     def __init__(
@@ -84,13 +104,15 @@ class CompressedStateCache(BaseLlamaCache):
 
     @property
     def cache_size(self) -> int:
-        return sum(info.size for infos in self._entries().values() for info in infos)
+        """Bytes of this namespace's entries and of the partial writes in it."""
+        pending = sum(info.size for info in self.store.temporaries(f"{self.namespace}/"))
+        return pending + sum(info.size for infos in self._entries().values() for info in infos)
 
     def _key_of(self, name: str) -> np.ndarray | None:
         if name not in self._keys:
             try:
                 data = self.store.get(name + _KEY)
-            except EntryNotFoundError:
+            except (EntryNotFoundError, AuthenticationError):  # gone, or not by a holder of the key
                 return None
             if len(data) % 4:
                 return None  # not ours: the store never holds partial writes
@@ -124,16 +146,23 @@ class CompressedStateCache(BaseLlamaCache):
             self.misses += 1
             raise KeyError("no cached prefix")
         name = found[0]
+        # everything that can be checked without the context is checked here: llama-cpp-python
+        # overwrites its token list before it hands the state to llama.cpp
         try:
             blob = self.store.get(name + _STATE)
             meta = StateMeta.unpack(codec.user_meta(blob))
+            if meta.scope != "all":
+                raise CorruptDataError("a prompt-cache entry holds a whole-context state")
             if self._fingerprint is not None:
                 check_fingerprint(meta.fingerprint, self._fingerprint)
+            cells = int(codec.inspect(blob)["cells"])
+            if self._n_ctx is not None and max(cells, meta.tokens.size) > self._n_ctx:
+                raise ModelMismatchError(f"{cells} KV cells do not fit n_ctx {self._n_ctx}")
             state = codec.decode(blob, threads=self.threads)
         except EntryNotFoundError:  # evicted by another process since the lookup
             self.misses += 1
             raise KeyError("cached prefix evicted meanwhile") from None
-        except CacheGenError as exc:  # damaged or foreign: drop it and miss rather than fail the completion
+        except CacheGenError as exc:  # damaged, foreign or forged: drop it and miss rather than fail
             self._remove(name)
             self.misses += 1
             raise KeyError(f"unusable cache entry {name}: {exc}") from exc
@@ -143,12 +172,14 @@ class CompressedStateCache(BaseLlamaCache):
         input_ids = np.zeros(n_ctx, dtype=np.intc)
         n = meta.tokens.size
         input_ids[:n] = meta.tokens
-        n_vocab = int(meta.fingerprint.get("n_vocab", 0)) or (
-            meta.logits.size if meta.logits is not None else 1
-        )
+        n_vocab = (self._fingerprint or meta.fingerprint).get("n_vocab")
+        if not isinstance(n_vocab, int) or n_vocab <= 0:  # unbound, and an envelope without it
+            n_vocab = meta.logits.size if meta.logits is not None else 1
+        logits = meta.logits if meta.logits is not None and meta.logits.size == n_vocab else None
         # llama-cpp-python broadcasts this one row over the restored rows; only the last one is real
-        scores = (meta.logits if meta.logits is not None else np.zeros(n_vocab, np.single))[None, :]
-        return llama_cpp.llama.LlamaState(
+        scores = (logits if logits is not None else np.zeros(n_vocab, np.single))[None, :]
+        return _CachedState(
+            lambda: self._discard(name),
             input_ids=input_ids,
             scores=scores,
             n_tokens=n,
@@ -156,6 +187,12 @@ class CompressedStateCache(BaseLlamaCache):
             llama_state_size=len(state),
             seed=meta.seed if meta.seed is not None else 0,
         )
+
+    def _discard(self, name: str) -> None:
+        """An entry llama.cpp refused after all (see llama_cachegen.Llama.load_state): a miss."""
+        self._remove(name)
+        self.hits -= 1
+        self.misses += 1
 
     def __setitem__(self, key: Sequence[int], value: llama_cpp.llama.LlamaState) -> None:
         key_arr = np.asarray(key, dtype="<i4")
@@ -187,8 +224,10 @@ class CompressedStateCache(BaseLlamaCache):
         self._keys.pop(name, None)
 
     def _evict(self) -> None:
+        self.store.sweep()  # leftovers of dead writers go first; the rest still take space
         groups = self._entries()
-        size = sum(i.size for infos in groups.values() for i in infos)
+        size = sum(i.size for i in self.store.temporaries(f"{self.namespace}/"))
+        size += sum(i.size for infos in groups.values() for i in infos)
         # a group's last use is its newest object: orphans of dead writers simply age out
         order = sorted(groups, key=lambda n: max(i.mtime for i in groups[n]))
         for name in order:
@@ -196,7 +235,6 @@ class CompressedStateCache(BaseLlamaCache):
                 break
             self._remove(name)
             size -= sum(i.size for i in groups[name])
-        self.store.sweep()
 
     def clear(self) -> None:
         """Removes every entry of this cache's namespace."""

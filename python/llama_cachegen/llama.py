@@ -43,7 +43,14 @@ _GGML_TYPE_NAMES = {
     for name in dir(llama_cpp)
     if name.startswith("GGML_TYPE_") and isinstance(getattr(llama_cpp, name), int)
 }
-# Fields that must be equal for a state to load; n_ctx is checked separately (smaller is fine).
+_FLASH_ATTN_NAMES = {
+    llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO: "auto",
+    llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED: "disabled",
+    llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED: "enabled",
+}
+# Fields that must be equal for a state to load (n_ctx is checked separately: smaller is fine):
+# the model, the KV layout llama.cpp writes (flash attention stores V untransposed, K/V types, one
+# KV stream per sequence unless unified, the SWA cache's size) and the state format itself.
 FINGERPRINT_FIELDS = (
     "arch",
     "n_layer",
@@ -53,9 +60,13 @@ FINGERPRINT_FIELDS = (
     "n_vocab",
     "type_k",
     "type_v",
+    "flash_attn",
+    "n_stream",
+    "swa_full",
     "model_hash",
     "state_format",
 )
+_MAX_ENVELOPE_TOKENS = 1 << 28  # far beyond any n_ctx; bounds what a forged count can ask for
 
 
 @dataclass
@@ -94,24 +105,34 @@ class StateMeta:
 
     @classmethod
     def unpack(cls, data: bytes) -> StateMeta:
-        if len(data) < _PREFIX.size:
-            raise InvalidArgumentError("the container holds no llama-cachegen llama-cpp-python envelope")
-        magic, version, header_size = _PREFIX.unpack_from(data)
-        if magic != ENVELOPE_MAGIC:
-            raise InvalidArgumentError("the container holds no llama-cachegen llama-cpp-python envelope")
+        """Parses an envelope; anything malformed (or no envelope at all) is a CorruptDataError."""
+        if len(data) < _PREFIX.size or data[:4] != ENVELOPE_MAGIC:
+            raise CorruptDataError("the container holds no llama-cachegen llama-cpp-python envelope")
+        _, version, header_size = _PREFIX.unpack_from(data)
         if version != ENVELOPE_VERSION:
             raise CorruptDataError(f"envelope version {version}; this release reads {ENVELOPE_VERSION}")
         if header_size > min(_MAX_HEADER, len(data) - _PREFIX.size):
             raise CorruptDataError(f"envelope header of {header_size} bytes overruns the envelope")
         try:
-            header = json.loads(data[_PREFIX.size : _PREFIX.size + header_size])
-            n_tokens, n_logits = int(header["n_tokens"]), int(header["n_logits"])
-            scope, fingerprint = header["scope"], header["fingerprint"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptDataError(f"unreadable envelope header: {exc}") from exc
+            header = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + header_size]).decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, too many digits
+            raise CorruptDataError(f"unreadable envelope header: {type(exc).__name__}") from None
+        _envelope_check(isinstance(header, dict), "the header is not an object")
+        n_tokens, n_logits = header.get("n_tokens"), header.get("n_logits")
+        n_ctx, seq_id, seed = header.get("n_ctx"), header.get("seq_id"), header.get("seed")
+        fingerprint, scope = header.get("fingerprint"), header.get("scope")
+        _envelope_check(scope in ("all", "seq"), "scope")
+        _envelope_check(_is_int(n_tokens) and 0 <= n_tokens <= _MAX_ENVELOPE_TOKENS, "n_tokens")
+        _envelope_check(_is_int(n_logits) and 0 <= n_logits <= _MAX_ENVELOPE_TOKENS, "n_logits")
+        _envelope_check(_is_int(n_ctx) and n_ctx >= 0, "n_ctx")
+        _envelope_check(seq_id is None or (_is_int(seq_id) and seq_id >= 0), "seq_id")
+        _envelope_check(seed is None or _is_int(seed), "seed")
+        _envelope_check(
+            isinstance(fingerprint, dict)
+            and all(v is None or isinstance(v, (str, int, float)) for v in fingerprint.values()),
+            "fingerprint",
+        )
         offset = _PREFIX.size + header_size
-        if scope not in ("all", "seq") or not isinstance(fingerprint, dict) or min(n_tokens, n_logits) < 0:
-            raise CorruptDataError("invalid envelope header")
         if len(data) != offset + 4 * (n_tokens + n_logits):
             raise CorruptDataError("envelope arrays do not match their declared sizes")
         tokens = np.frombuffer(data, dtype="<i4", count=n_tokens, offset=offset).astype(np.intc)
@@ -119,12 +140,21 @@ class StateMeta:
         return cls(
             fingerprint=fingerprint,
             scope=scope,
-            seq_id=header.get("seq_id"),
-            n_ctx=int(header.get("n_ctx", 0)),
+            seq_id=seq_id,
+            n_ctx=n_ctx,
             tokens=tokens,
             logits=logits.astype(np.single) if n_logits else None,
-            seed=header.get("seed"),
+            seed=seed,
         )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _envelope_check(ok: bool, what: str) -> None:
+    if not ok:
+        raise CorruptDataError(f"invalid envelope header: {what}")
 
 
 @dataclass
@@ -179,6 +209,7 @@ def _model_hash(llm: llama_cpp.Llama) -> str:
 def model_fingerprint(llm: llama_cpp.Llama) -> dict[str, Any]:
     """What must match between the saving and the loading context (FINGERPRINT_FIELDS)."""
     model, params = llm.model, llm.context_params
+    has_swa = llama_cpp.llama_model_n_swa(model) > 0
     return {
         "arch": str(llm.metadata.get("general.architecture", "")),
         "n_layer": llama_cpp.llama_model_n_layer(model),
@@ -188,9 +219,16 @@ def model_fingerprint(llm: llama_cpp.Llama) -> dict[str, Any]:
         "n_vocab": llm.n_vocab(),
         "type_k": _GGML_TYPE_NAMES.get(params.type_k, str(params.type_k)),
         "type_v": _GGML_TYPE_NAMES.get(params.type_v, str(params.type_v)),
+        "flash_attn": _FLASH_ATTN_NAMES.get(params.flash_attn_type, str(params.flash_attn_type)),
+        # llama.cpp refuses a state written with another stream count ("n_stream mismatch")
+        "n_stream": 1 if params.kv_unified else llama_cpp.llama_n_seq_max(llm.ctx),
+        "swa_full": bool(params.swa_full) if has_swa else None,  # the SWA cache's size; no SWA: moot
         "model_hash": _model_hash(llm),
         # the state layout changes with llama.cpp; llama-cpp-python pins one llama.cpp per release
-        "state_format": f"llama-cpp-python {llama_cpp.__version__}",
+        "state_format": (
+            f"llama-cpp-python {llama_cpp.__version__}, session v{llama_cpp.LLAMA_SESSION_VERSION}, "
+            f"seq v{llama_cpp.LLAMA_STATE_SEQ_VERSION}"
+        ),
     }
 
 
@@ -336,10 +374,16 @@ def load_compressed_state(
     backup = capture_state(llm, target)
     if not restore_state(llm, state, target):
         restored = restore_state(llm, backup, target)
+        if not restored:
+            _forget(llm, target)
         raise ModelMismatchError(
             "llama.cpp refused the state (see its log: KV layout, V transposition/flash attention, "
             "or no room for the cells); "
-            + ("the context was put back as it was" if restored else "the context could not be put back")
+            + (
+                "the context was put back as it was"
+                if restored
+                else "the context could not be put back and was cleared"
+            )
         )
     own = target in (None, 0)
     if own:
@@ -361,6 +405,18 @@ def load_compressed_state(
         restore_ms=(t3 - t2) * 1e3,
         seq_id=target,
     )
+
+
+def _forget(llm: llama_cpp.Llama, seq_id: int | None) -> None:
+    """Empties what a failed restore left (the whole context, or one sequence) and, where that
+    is llama-cpp-python's own, its token list: nothing claims KV that is not there."""
+    memory = llama_cpp.llama_get_memory(llm.ctx)
+    if seq_id is None:
+        llama_cpp.llama_memory_clear(memory, True)
+    else:
+        llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
+    if seq_id in (None, 0):
+        llm.n_tokens = 0
 
 
 class Llama(llama_cpp.Llama):
@@ -404,6 +460,19 @@ class Llama(llama_cpp.Llama):
     ) -> LoadReport:
         """See `llama_cachegen.load_compressed_state`."""
         return load_compressed_state(self, src, seq_id=seq_id)
+
+    def load_state(self, state: llama_cpp.llama.LlamaState) -> None:
+        """llama-cpp-python's load_state; when llama.cpp refuses the state, the context is cleared
+        and n_tokens set to 0 (llama-cpp-python has already overwritten its token list), and a
+        prompt-cache entry is dropped as a miss: the completion then evaluates its whole prompt."""
+        try:
+            super().load_state(state)
+        except RuntimeError:
+            _forget(self, None)
+            discard = getattr(state, "discard", None)
+            if discard is None:
+                raise
+            discard()
 
     def set_cache(self, cache: Any) -> None:
         """Sets the prompt cache; a CompressedStateCache is bound to this model's fingerprint."""

@@ -1,0 +1,261 @@
+"""Issue 7 on the real model: a shared cache never serves a state the context cannot load or did
+not write, a refused load changes nothing, and a malformed envelope is a CorruptDataError."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import pytest
+from conftest import multi_seq_llama
+from llama_cachegen import codec
+from llama_cachegen.cache import CompressedStateCache
+from llama_cachegen.errors import AuthenticationError, CorruptDataError, ModelMismatchError
+from llama_cachegen.llama import (
+    ENVELOPE_MAGIC,
+    Llama,
+    StateMeta,
+    load_compressed_state,
+    model_fingerprint,
+    save_compressed_state,
+)
+from llama_cachegen.model import default_model_path
+from llama_cachegen.stores import KEY_ENV, write_url
+
+PROMPT = "The capital of France is"  # SmolLM2: " Paris."
+OTHER = "The capital of Japan is"  # SmolLM2: " Tokyo."
+
+
+def _llama(**kwargs: Any) -> Llama:
+    params: dict[str, Any] = {"n_ctx": 512, "n_threads": 2, "n_threads_batch": 2, "verbose": False}
+    return Llama(str(default_model_path()), **{**params, **kwargs})
+
+
+def _answer(llm: llama_cpp.Llama, prompt: str) -> str:
+    return llm.create_completion(prompt, max_tokens=6, temperature=0.0)["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    """Answers of a context without any cache."""
+    llm = _llama()
+    return {p: _answer(llm, p) for p in (PROMPT, OTHER)}
+
+
+_FLASH_WRITER = """
+import sys
+from llama_cachegen import CompressedStateCache, Llama
+from llama_cachegen.model import default_model_path
+llm = Llama(str(default_model_path()), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
+llm.set_cache(CompressedStateCache(sys.argv[1], level="lossless"))
+llm.create_completion(sys.argv[2], max_tokens=6, temperature=0.0)
+"""
+
+
+def test_processes_differing_only_in_flash_attention_share_no_entry(
+    tmp_path: Path, reference: dict[str, str]
+) -> None:
+    """The issue's scenario: the flash-attention writer's entry is a miss for the other context,
+    which then answers exactly as without a cache (it raised RuntimeError, then answered '-1000.')."""
+    subprocess.run(
+        [sys.executable, "-c", _FLASH_WRITER, tmp_path.as_uri(), PROMPT],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    llm = _llama()
+    cache = CompressedStateCache(tmp_path.as_uri(), level="lossless")
+    llm.set_cache(cache)
+    for _ in range(2):
+        assert _answer(llm, PROMPT) == reference[PROMPT]
+    assert cache.hits == 1  # the second completion hits this context's own entry, not the writer's
+    assert model_fingerprint(llm)["flash_attn"] == "disabled"
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2  # one namespace each
+
+
+def test_entry_llama_cpp_refuses_is_dropped_as_a_miss(tmp_path: Path, reference: dict[str, str]) -> None:
+    """A flash-attention state filed under this context's fingerprint (no key: any writer can):
+    llama.cpp refuses it, the entry goes, the completion is a miss and is right."""
+    flash = _llama(flash_attn=True)
+    flash.eval(flash.tokenize(PROMPT.encode()))
+    llm = _llama()
+    cache = CompressedStateCache(tmp_path, level="lossless", model=llm)
+    cache[flash.input_ids[: flash.n_tokens].tolist()] = flash.save_state()
+    (forged,) = cache._entries()
+    llm.set_cache(cache)
+    assert _answer(llm, PROMPT) == reference[PROMPT]
+    assert (cache.hits, cache.misses) == (0, 1)
+    assert forged not in cache._entries()  # dropped; the completion filed its own under a longer key
+    assert _answer(llm, PROMPT) == reference[PROMPT]
+    assert cache.hits == 1
+
+
+def test_poisoned_entries_are_refused_with_a_key(
+    tmp_path: Path, reference: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's poisoning: the state of the Japan prompt filed under the France prompt's
+    tokens. With a key, the reader refuses the forger's entry and answers from the prompt."""
+    llm = _llama()
+    japan = llm.tokenize(OTHER.encode())
+    france = llm.tokenize(PROMPT.encode())
+    llm.eval(japan)
+    poisoned = llm.save_state()
+    poisoned.input_ids[: len(france)] = france  # claims the France tokens, holds the Japan KV
+    poisoned.n_tokens = len(france)
+    llm.reset()
+    forger = CompressedStateCache(tmp_path, level="lossless", model=llm)  # no key
+    forger[france] = poisoned
+    monkeypatch.setenv(KEY_ENV, "shared secret")
+    victim = _llama()
+    cache = CompressedStateCache(tmp_path, level="lossless")
+    victim.set_cache(cache)
+    assert cache.namespace == forger.namespace and [*france, 13] not in cache
+    assert _answer(victim, PROMPT) == reference[PROMPT] == " Paris.\n\nThe United"
+    assert cache.hits == 0
+
+
+def test_load_with_a_key_refuses_a_forged_file_before_touching_the_context(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = _llama()
+    llm.eval(llm.tokenize(OTHER.encode()))
+    forged = save_compressed_state(llm, level="lossless")
+    write_url(tmp_path / "state.lcg", forged, auth_key="")  # written without the key
+    save_compressed_state(llm, tmp_path / "honest.lcg", level="lossless")  # no key yet: untagged too
+    monkeypatch.setenv(KEY_ENV, "shared secret")
+    save_compressed_state(llm, tmp_path / "tagged.lcg", level="lossless")
+    target = _llama()
+    target.eval(target.tokenize(PROMPT.encode()))
+    before = _python_side(target)
+    for name in ("state.lcg", "honest.lcg"):
+        with pytest.raises(AuthenticationError):
+            load_compressed_state(target, tmp_path / name)
+        _assert_same(before, _python_side(target))
+    (tmp_path / "tagged.lcg").rename(tmp_path / "renamed.lcg")
+    with pytest.raises(AuthenticationError):
+        load_compressed_state(target, tmp_path / "renamed.lcg")
+    (tmp_path / "renamed.lcg").rename(tmp_path / "tagged.lcg")
+    assert load_compressed_state(target, tmp_path / "tagged.lcg").tokens == len(llm.tokenize(OTHER.encode()))
+
+
+def _python_side(llm: llama_cpp.Llama) -> dict[str, Any]:
+    return {
+        "input_ids": llm.input_ids.copy(),
+        "n_tokens": llm.n_tokens,
+        "scores": llm.scores.copy(),
+        "requires_eval": llm._requires_eval,
+        "state": codec.decode(save_compressed_state(llm, level="lossless")),
+    }
+
+
+def _assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
+    for key, value in before.items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(value, after[key], err_msg=key)
+        else:
+            assert value == after[key], key
+
+
+def test_refused_loads_leave_the_llama_object_exactly_as_it_was() -> None:
+    flash = _llama(flash_attn=True, logits_all=True)
+    flash.eval(flash.tokenize(OTHER.encode()))
+    blob = save_compressed_state(flash, level="lossless")
+    llm = _llama(logits_all=True)
+    llm.eval(llm.tokenize(PROMPT.encode()))
+    before = _python_side(llm)
+    with pytest.raises(ModelMismatchError, match="flash_attn: saved 'enabled', this context 'disabled'"):
+        load_compressed_state(llm, blob)
+    _assert_same(before, _python_side(llm))
+    # the same state with a fingerprint forged to fit: llama.cpp itself refuses (V transposition)
+    meta = StateMeta.unpack(codec.user_meta(blob))
+    meta.fingerprint = model_fingerprint(llm)
+    forged = codec.encode(codec.decode(blob), "lossless", user_meta=meta.pack())
+    with pytest.raises(ModelMismatchError, match="put back as it was"):
+        load_compressed_state(llm, forged)
+    _assert_same(before, _python_side(llm))
+
+
+def test_fingerprint_covers_the_kv_layout(model_path: Path) -> None:
+    base = model_fingerprint(_llama())
+    assert base["flash_attn"] == "disabled" and base["n_stream"] == 1
+    assert base["swa_full"] is None  # SmolLM2 has no sliding-window layers
+    assert "llama-cpp-python 0.3.36" in base["state_format"] and "seq v3" in base["state_format"]
+    assert model_fingerprint(_llama(flash_attn=True))["flash_attn"] == "enabled"
+    assert model_fingerprint(_llama(type_v=llama_cpp.GGML_TYPE_Q8_0, flash_attn=True))["type_v"] == "q8_0"
+    streams = model_fingerprint(multi_seq_llama(model_path, 3, unified=False, n_ctx=256, logits_all=False))
+    unified = model_fingerprint(multi_seq_llama(model_path, 3, unified=True, n_ctx=256, logits_all=False))
+    assert streams["n_stream"] == 3 and unified["n_stream"] == 1
+
+
+# ---- envelopes -------------------------------------------------------------------------------
+
+
+def _envelope(header: bytes | dict[str, Any], tail: bytes = b"") -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<4sII", ENVELOPE_MAGIC, 1, len(raw)) + raw + tail
+
+
+_GOOD = {
+    "fingerprint": {},
+    "scope": "all",
+    "seq_id": None,
+    "n_ctx": 8,
+    "n_tokens": 1,
+    "n_logits": 0,
+    "seed": 1,
+}
+MALFORMED = {
+    "empty": b"",
+    "short": ENVELOPE_MAGIC + b"\x01",
+    "other magic": _envelope(_GOOD, b"\0" * 4).replace(ENVELOPE_MAGIC, b"XXXX", 1),
+    "bad json": _envelope(b"{not json", b"\0" * 4),
+    "bad utf-8": _envelope(b'{"a": "\xff"}'),
+    "not an object": _envelope([1, 2, 3]),  # type: ignore[arg-type]
+    "deep nesting": _envelope(b"[" * 100000 + b"]" * 100000),
+    "huge int": _envelope(b'{"n_tokens": 1' + b"0" * 5000 + b"}"),
+    "string count": _envelope({**_GOOD, "n_tokens": "1"}, b"\0" * 4),
+    "bool count": _envelope({**_GOOD, "n_tokens": True}, b"\0" * 4),
+    "float count": _envelope({**_GOOD, "n_tokens": 1.0}, b"\0" * 4),
+    "negative count": _envelope({**_GOOD, "n_tokens": -1}),
+    "forged count": _envelope({**_GOOD, "n_tokens": 1 << 40}),
+    "list fingerprint": _envelope({**_GOOD, "fingerprint": []}, b"\0" * 4),
+    "nested fingerprint": _envelope({**_GOOD, "fingerprint": {"a": {"b": 1}}}, b"\0" * 4),
+    "bad scope": _envelope({**_GOOD, "scope": 1}, b"\0" * 4),
+    "string n_ctx": _envelope({**_GOOD, "n_ctx": "8"}, b"\0" * 4),
+    "missing n_ctx": _envelope({k: v for k, v in _GOOD.items() if k != "n_ctx"}, b"\0" * 4),
+    "negative seq_id": _envelope({**_GOOD, "seq_id": -2}, b"\0" * 4),
+    "string seed": _envelope({**_GOOD, "seed": "x"}, b"\0" * 4),
+    "short arrays": _envelope(_GOOD, b"\0" * 3),
+    "header overrun": struct.pack("<4sII", ENVELOPE_MAGIC, 1, 1 << 30) + b"{}",
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_every_malformed_envelope_is_corrupt_data(name: str) -> None:
+    with pytest.raises(CorruptDataError):
+        StateMeta.unpack(MALFORMED[name])
+
+
+def test_malformed_envelopes_reach_neither_the_context_nor_the_cache(tmp_path: Path) -> None:
+    llm = _llama()
+    llm.eval(llm.tokenize(PROMPT.encode()))
+    state = codec.decode(save_compressed_state(llm, level="lossless"))
+    cache = CompressedStateCache(tmp_path, level="lossless", model=llm)
+    tokens = llm.input_ids[: llm.n_tokens].tolist()
+    cache[tokens] = llm.save_state()
+    (name,) = cache._entries()
+    for bad in ("deep nesting", "string count", "not an object"):
+        blob = codec.encode(state, "lossless", kind="full_buffer", user_meta=MALFORMED[bad])
+        with pytest.raises(CorruptDataError):
+            load_compressed_state(llm, blob)
+        cache.store.put(name + ".lcg", blob)
+        cache.store.put(name + ".tok", np.asarray(tokens, "<i4").tobytes())
+        with pytest.raises(KeyError, match="unusable cache entry"):
+            cache[tokens]
+        assert not cache._entries()  # dropped
