@@ -118,3 +118,44 @@ def test_eval_reports_quality_per_level_and_llama_cpp_types() -> None:
     assert rows["llama-cachegen lossless"]["kl"] < 1e-9 and rows["llama-cachegen lossless"]["top1"] == 1.0
     assert rows["llama-cachegen balanced"]["ratio"] > rows["llama-cachegen lossless"]["ratio"]
     assert 0 < rows["llama.cpp q8_0"]["kl"] < 0.1
+
+
+def test_in_place_overwrite_needs_force_and_is_atomic(slot_file: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state.bin"
+    state.write_bytes(slot_file.read_bytes())
+    for same in (state, tmp_path / "." / "state.bin", state.as_uri()):
+        proc = _cli("compress", state, same, check=False)
+        assert proc.returncode == 1 and "is the input too" in proc.stderr and "--force" in proc.stderr
+        assert state.read_bytes() == slot_file.read_bytes()  # the raw state is untouched
+    (tmp_path / "link.bin").symlink_to(state)
+    assert _cli("decompress", state, tmp_path / "link.bin", check=False).returncode == 1
+    _cli("compress", state, state, "--force", "--level", "lossless")
+    assert json.loads(_cli("inspect", state, "--json").stdout)["type"] == "llama-cachegen container"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    _cli("decompress", state, state, "--force")
+    assert state.read_bytes() == slot_file.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("compress", "a", "b", "--threads", "-3"),
+        ("compress", "a", "b", "--threads", "0"),
+        ("demo", "--tokens", "many"),
+        ("eval", "--cont", "-1"),
+        ("serve", "--dir", ".", "--port", "70000"),
+        ("serve", "--dir", ".", "--body-timeout", "nan"),
+    ],
+)
+def test_numeric_options_are_validated(args: tuple[str, ...]) -> None:
+    proc = _cli(*args, check=False)
+    assert proc.returncode == 2 and "expected a" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_internal_worker_is_hidden_and_messages_are_clean(tmp_path: Path) -> None:
+    assert "_demo-worker" not in _cli("--help").stdout
+    assert "_demo-worker" not in _cli("nonsense", check=False).stderr
+    proc = _cli("decompress", tmp_path / "missing.bin", tmp_path / "out", check=False)
+    assert proc.stderr.strip() == f"llama-cachegen decompress: error: no file {tmp_path / 'missing.bin'}"
+    proc = _cli("eval", "--text", str(tmp_path / "missing.txt"), check=False)
+    assert "error: No such file or directory:" in proc.stderr and "'" not in proc.stderr
