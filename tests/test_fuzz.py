@@ -1,0 +1,129 @@
+"""Bounded fuzzing: a few thousand mutants of containers and envelopes through every parser, in a
+subprocess (a crash fails the test instead of killing pytest). Only CacheGenError may come out.
+20,000 mutants by default (FUZZ_MUTANTS), about a second on these small states.
+
+The containers are encoded here from synthetic states (conftest.py), so the mutants follow
+whatever container format the native library writes. A longer campaign: run this file's script
+by hand with a larger FUZZ_MUTANTS and other FUZZ_SEED values (under ASan/UBSan builds too).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+_FUZZER = r"""
+import json, os, random, struct, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from conftest import full_buffer, kv_cache_bytes, seq_buffer
+import llama_cachegen as lcg
+from llama_cachegen import codec
+from llama_cachegen.errors import CacheGenError
+from llama_cachegen.llama import StateMeta
+
+rng = random.Random(int(os.environ.get("FUZZ_SEED", "7")))
+n_mutants = int(os.environ.get("FUZZ_MUTANTS", "20000"))
+np_rng = np.random.default_rng(1)
+
+def envelope(n_tokens):
+    return StateMeta(
+        fingerprint={"arch": "llama", "n_layer": 2, "type_k": "f16", "swa_full": None},
+        scope="all", seq_id=None, n_ctx=64, tokens=np.arange(n_tokens, dtype=np.intc),
+        logits=np.ones(5, np.single), seed=3,
+    ).pack()
+
+seeds = []
+for level in ("lossless", "balanced", "compact"):
+    mem = kv_cache_bytes(np_rng, n_layer=2, n_embd=32, cells_per_stream=(12,), v_trans=level == "balanced")
+    seeds.append(lcg.encode(seq_buffer(mem), level, user_meta=envelope(12)))
+    mem = kv_cache_bytes(np_rng, n_layer=1, n_embd=16, cells_per_stream=(5, 0, 3))
+    seeds.append(lcg.encode(full_buffer(mem), level, kind="full_buffer"))
+    mem = kv_cache_bytes(np_rng, n_layer=2, n_embd=64, cells_per_stream=(48,), ext=True)  # many lanes
+    seeds.append(lcg.encode(seq_buffer(mem), level))
+envelopes = [envelope(n) for n in (0, 1, 7)]
+
+INTERESTING = [0, 1, 2, 0x7F, 0xFF, 0x7FFF, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 1 << 40, 2**64 - 1]
+
+def mutate(data):
+    b = bytearray(data)
+    op = rng.choice(("flip", "flip", "truncate", "splice", "size", "size", "insert", "delete"))
+    if not b:
+        return op, bytes(rng.randrange(256) for _ in range(rng.randrange(64)))
+    if op == "flip":
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(len(b))
+            b[i] ^= 1 << rng.randrange(8)
+    elif op == "truncate":
+        del b[rng.randrange(len(b)):]
+    elif op == "splice":
+        other = rng.choice(seeds + envelopes)
+        i, j = rng.randrange(len(b)), rng.randrange(len(other))
+        b[i:] = other[j : j + rng.randrange(1, len(b) - i + 64)]
+    elif op == "size":
+        width = rng.choice((4, 8))
+        i = rng.randrange(0, max(1, len(b) - width + 1)) & ~3
+        value = rng.choice(INTERESTING + [len(b), len(b) * rng.randint(2, 1000), rng.getrandbits(32)])
+        b[i : i + width] = (value % (1 << 8 * width)).to_bytes(width, "little")[: len(b) - i]
+    elif op == "insert":
+        i = rng.randrange(len(b) + 1)
+        b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+    else:
+        i = rng.randrange(len(b))
+        del b[i : i + rng.randint(1, 16)]
+    return op, bytes(b)
+
+def meta_of(blob):
+    return StateMeta.unpack(codec.user_meta(blob))
+
+TARGETS = {
+    "decode": lambda blob: codec.decode(blob),
+    "decoded_size": codec.decoded_size,
+    "inspect": codec.inspect,
+    "user_meta": codec.user_meta,
+    "envelope": meta_of,
+}
+counts, failures = {}, []
+start = time.monotonic()
+for i in range(n_mutants):
+    if i % 4 == 3:  # an envelope, straight to its parser
+        op, mutant = mutate(rng.choice(envelopes))
+        targets = {"envelope_bytes": StateMeta.unpack}
+    else:
+        op, mutant = mutate(rng.choice(seeds))
+        for _ in range(rng.choice((0, 0, 1, 2))):  # stacked mutations
+            op, mutant = mutate(mutant)
+        targets = TARGETS
+    for name, parse in targets.items():
+        try:
+            parse(mutant)
+            outcome = "accepted"
+        except CacheGenError as exc:
+            outcome = type(exc).__name__
+        except BaseException as exc:
+            failures.append({"target": name, "op": op, "mutant": i, "error": repr(exc)[:300]})
+            continue
+        counts[f"{name}:{outcome}"] = counts.get(f"{name}:{outcome}", 0) + 1
+print(json.dumps({"mutants": n_mutants, "seconds": time.monotonic() - start, "counts": counts,
+                  "failures": failures[:20], "n_failures": len(failures)}))
+"""
+
+
+def test_mutants_raise_only_cachegen_errors(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _FUZZER, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"the fuzzer died (exit {proc.returncode}): {proc.stderr[-3000:]}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["n_failures"] == 0, json.dumps(report["failures"], indent=1)
+    counts = report["counts"]
+    # the mutants reached every parser, and some were refused by each
+    for target in ("decode", "inspect", "user_meta", "envelope", "envelope_bytes"):
+        assert (
+            sum(n for k, n in counts.items() if k.startswith(f"{target}:") and not k.endswith("accepted")) > 0
+        )
