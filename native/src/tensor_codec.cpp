@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <unordered_map>
 
 #if defined(__x86_64__)
@@ -55,6 +56,23 @@ uint64_t state_index(const TensorDesc & t, uint32_t cell, uint32_t unit) {
 
 void load_values(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32_t gn, float * out) {
     const Strides st(t);
+    if (t.transposed) {  // each unit's cells are contiguous: convert a run, then interleave
+        std::vector<float> run(t.n_cells);
+        for (uint32_t g = 0; g < gn; g++) {
+            const uint8_t * src = base + (u0 + g) * st.unit;
+            if (t.ggml_type == GGML_F16) {
+                f16_row_to_f32(src, t.n_cells, run.data());
+            } else {
+                for (size_t i = 0; i < t.n_cells; i++) {
+                    run[i] = load_float(src + i * t.unit_bytes, t.ggml_type);
+                }
+            }
+            for (size_t i = 0; i < t.n_cells; i++) {
+                out[i * gn + g] = run[i];
+            }
+        }
+        return;
+    }
     for (size_t i = 0; i < t.n_cells; i++) {
         if (t.ggml_type == GGML_F16 && !t.transposed) {
             f16_row_to_f32(base + i * st.cell + u0 * 2, gn, out + i * gn);
@@ -123,11 +141,19 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, float rel_step, c
             shrink.count ? static_cast<double>(shrink.fixed) / 65536.0 / static_cast<double>(shrink.count) : 0.0;
         s.shrink_u8[gi] = static_cast<uint8_t>(std::clamp(std::lround(mean_shrink * 256.0), 0L, 127L));
         uint32_t * c = &counts[static_cast<size_t>(gi) * 256];
-        for (size_t i = 0; i < n; i++) {
+        for (size_t k = 0; k < n * gn; k++) {
+            c[gsym[k]]++;
+        }
+        if (t.transposed) {
             for (uint32_t g = 0; g < gn; g++) {
-                const uint8_t v = gsym[i * gn + g];
-                e.sym[state_index(t, static_cast<uint32_t>(i), u0 + g)] = v;
-                c[v]++;
+                uint8_t * dst = &e.sym[static_cast<size_t>(u0 + g) * n];
+                for (size_t i = 0; i < n; i++) {
+                    dst[i] = gsym[i * gn + g];
+                }
+            }
+        } else {
+            for (size_t i = 0; i < n; i++) {
+                std::memcpy(&e.sym[i * t.n_units + u0], &gsym[i * gn], gn);
             }
         }
         for (const Escape & x : escapes) {
@@ -220,10 +246,15 @@ struct PermTable {
 };
 const PermTable perm_table;
 
+// The symbol lookup: AVX2's gather instruction, or eight scalar loads (LCG_SCALAR_LOADS=1); both
+// read the same table, so the output is the same.
+const bool use_gather = std::getenv("LCG_SCALAR_LOADS") == nullptr;
+
 // f16 destination rows at consecutive cells from row_cell[0]; 8 consecutive elements of the
 // object share a row (units % 8 == 0) or a unit (transposed, cells % 8 == 0). Returns the element
 // reached: a multiple of 32, where the scalar decoder takes over (the last, partial step, or the
 // last 32 words, which are read with bounds checks).
+template <bool GATHER>
 __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor & c, const LossyDst & d, size_t n,
                                                                    std::vector<uint64_t> & esc) {
     const TensorDesc & t = *d.obj;
@@ -259,21 +290,28 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
                     row++;
                 }
             }
-            const int * slots = reinterpret_cast<const int *>(d.slots + gi * rans::PROB_SCALE);
-            const __m256i e = _mm256_i32gather_epi32(slots, _mm256_and_si256(x[v], mask12), 4);
+            const uint32_t * slots = d.slots + gi * rans::PROB_SCALE;
+            __m256i e;
+            if (GATHER) {
+                e = _mm256_i32gather_epi32(reinterpret_cast<const int *>(slots), _mm256_and_si256(x[v], mask12), 4);
+            } else {  // eight scalar loads: faster than the gather instruction on some CPUs
+                alignas(32) uint32_t slot[8];
+                _mm256_store_si256(reinterpret_cast<__m256i *>(slot), _mm256_and_si256(x[v], mask12));
+                e = _mm256_setr_epi32(slots[slot[0]], slots[slot[1]], slots[slot[2]], slots[slot[3]], slots[slot[4]],
+                                      slots[slot[5]], slots[slot[6]], slots[slot[7]]);
+            }
             const __m256i s = _mm256_and_si256(e, mask8);
             const __m256i freq = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 8), _mm256_set1_epi32(0xfff)), one);
             __m256i xv = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x[v], rans::PROB_BITS)),
                                           _mm256_srli_epi32(e, 20));
             const __m256i need = _mm256_cmpgt_epi32(low, xv);
+            // Branch-free: whether a vector needs words is close to a coin flip at low rates.
             const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
-            if (mask) {
-                const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(c.ptr)));
-                const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i *>(perm_table.idx[mask]));
-                const __m256i w = _mm256_permutevar8x32_epi32(words, idx);
-                xv = _mm256_blendv_epi8(xv, _mm256_or_si256(_mm256_slli_epi32(xv, 16), w), need);
-                c.ptr += 2 * __builtin_popcount(mask);
-            }
+            const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(c.ptr)));
+            const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i *>(perm_table.idx[mask]));
+            const __m256i w = _mm256_permutevar8x32_epi32(words, idx);
+            xv = _mm256_blendv_epi8(xv, _mm256_or_si256(_mm256_slli_epi32(xv, 16), w), need);
+            c.ptr += 2 * __builtin_popcount(mask);
             x[v] = xv;
             const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(s, sym_zero));
             const __m256 nonzero = _mm256_cmp_ps(q, _mm256_setzero_ps(), _CMP_NEQ_OQ);
@@ -322,7 +360,7 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorStats & s,
     }
     if (cpu_has_avx2 && contiguous && obj.ggml_type == GGML_F16 &&
         (obj.transposed ? obj.n_cells % 8 == 0 : obj.n_units % 8 == 0)) {
-        k = decode_lossy_f16_avx2(c, d, n, esc);
+        k = use_gather ? decode_lossy_f16_avx2<true>(c, d, n, esc) : decode_lossy_f16_avx2<false>(c, d, n, esc);
     }
 #endif
     decode_lossy_scalar(c, d, k, esc);
@@ -485,6 +523,10 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     }
     // The object's symbols (or byte planes) in its memory order, from the state's.
     std::vector<uint8_t> sym(n);
+    bool contiguous = true;
+    for (size_t r = 1; r < cells.size() && contiguous; r++) {
+        contiguous = cells[r] == cells[0] + r;
+    }
     auto gather = [&](auto && value_of) {
         for (size_t o = 0, k = 0; o < n_outer(obj); o++) {
             for (size_t i = 0; i < n_inner(obj); i++, k++) {
@@ -493,17 +535,33 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
             }
         }
     };
+    // Unit u codes with table group u / group: per unit, its table.
+    std::vector<const rans::EncTable *> unit_table(t.n_units);
     auto coded = [&](const rans::EncTable * tables) {
+        for (uint32_t u = 0; u < t.n_units; u++) {
+            unit_table[u] = &tables[u / s.group];
+        }
         ByteWriter stream;
-        rans::encode_stream(
-            sym.data(), n_outer(obj), n_inner(obj),
-            [&](size_t o, size_t i) -> const rans::EncTable & { return tables[row_unit(obj, o, i).unit / s.group]; },
-            stream);
+        if (t.transposed) {
+            rans::encode_stream(sym.data(), n_outer(obj), n_inner(obj),
+                                [&](size_t o, size_t) -> const rans::EncTable & { return *unit_table[o]; }, stream);
+        } else {
+            rans::encode_stream(sym.data(), n_outer(obj), n_inner(obj),
+                                [&](size_t, size_t i) -> const rans::EncTable & { return *unit_table[i]; }, stream);
+        }
         w.u32(static_cast<uint32_t>(stream.buf.size()));
         w.put(stream.buf.data(), stream.buf.size());
     };
     if (s.lossy) {
-        gather([&](uint32_t cell, uint32_t unit) { return e.sym[state_index(t, cell, unit)]; });
+        if (contiguous && !cells.empty()) {  // the state's symbols are already in this order, per outer
+            const size_t state_inner = t.transposed ? t.n_cells : t.n_units;
+            const size_t first = t.transposed ? cells[0] : static_cast<size_t>(cells[0]) * t.n_units;
+            for (size_t o = 0; o < n_outer(obj); o++) {
+                std::memcpy(&sym[o * n_inner(obj)], &e.sym[first + o * state_inner], n_inner(obj));
+            }
+        } else {
+            gather([&](uint32_t cell, uint32_t unit) { return e.sym[state_index(t, cell, unit)]; });
+        }
         coded(e.enc.data());
         std::vector<int64_t> esc;
         for (size_t o = 0, k = 0; o < n_outer(obj); o++) {
