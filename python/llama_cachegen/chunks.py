@@ -1,0 +1,934 @@
+"""Chunked, content-addressed context storage (container format v2).
+
+A saved context is a manifest plus shared objects in one store (docs/format.md, "Manifest and store
+layout"):
+
+    <manifest key>                   the manifest: tokens, fingerprint, chunk keys, levels, sizes
+    lcg2/chunks/<H_i>/<level>        K/V of positions [i*C, min((i+1)*C, n)) at one level
+    lcg2/stats/<sha256>              statistics of one level of one save (quantizer, tables)
+    lcg2/skeletons/<sha256>          a state without its K/V: what llama.cpp needs besides the rows
+    lcg2/wholes/<sha256>             a whole container, for states that cannot be chunked
+
+Chunk keys chain: H_0 = sha256(domain + canonical JSON of the fingerprint and C), H_i =
+sha256(H_{i-1} + tokens of chunk i as int32). Two contexts sharing their first k chunks of tokens
+share those k objects, so saving a context uploads only what the store lacks, and the longest stored
+prefix of any token list is found with `exists` calls alone. Every chunk carries its key, the key
+before it, its tokens and the model fingerprint key in its user_meta: a loader recomputes and
+compares them, and refuses anything that does not match before the context is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from . import codec, stores
+from .errors import (
+    CorruptDataError,
+    EntryNotFoundError,
+    InvalidArgumentError,
+    ModelMismatchError,
+    UnsupportedVersionError,
+)
+from .llama import (
+    FINGERPRINT_FIELDS,
+    LoadReport,
+    StateMeta,
+    _forget,
+    _is_int,
+    _seq_id_ok,
+    capture_meta,
+    capture_state,
+    check_fingerprint,
+    fingerprint_key,
+    load_compressed_state,
+    model_fingerprint,
+    restore_state,
+)
+
+KEY_DOMAIN = b"llama-cachegen chunks v2\x00"
+MANIFEST_MAGIC = b"LCGM"
+MANIFEST_VERSION = 1
+CHUNK_META_MAGIC = b"LCGK"
+CHUNK_META_VERSION = 1
+MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS = 16, 4096, 256
+DEFAULT_LEVELS = ("high", "balanced", "compact")
+# best first: a loader takes the first level a chunk has
+PREFERENCE = ("lossless", "high", "balanced", "compact")
+PREFIX = "lcg2/"
+
+_ENVELOPE = struct.Struct("<4sII")
+_MAX_MANIFEST_HEADER = 64 << 20  # ~100 bytes of JSON per chunk: 2^28 tokens at C = 4096 fit
+_MAX_CHUNK_HEADER = 1 << 16
+_HEX_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def _chunk_key(key: str, level: str) -> str:
+    return f"{PREFIX}chunks/{key}/{level}"
+
+
+def _stats_key(stats_id: str) -> str:
+    return f"{PREFIX}stats/{stats_id}"
+
+
+def _skeleton_key(skeleton_id: str) -> str:
+    return f"{PREFIX}skeletons/{skeleton_id}"
+
+
+def _whole_key(whole_id: str) -> str:
+    return f"{PREFIX}wholes/{whole_id}"
+
+
+def _sha256(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_chunk_tokens(chunk_tokens: int) -> int:
+    if not _is_int(chunk_tokens) or not MIN_CHUNK_TOKENS <= chunk_tokens <= MAX_CHUNK_TOKENS:
+        raise InvalidArgumentError(
+            f"chunk_tokens must be from {MIN_CHUNK_TOKENS} to {MAX_CHUNK_TOKENS}, got {chunk_tokens!r}"
+        )
+    return chunk_tokens
+
+
+def _check_levels(levels: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(levels, str) or not levels:
+        raise InvalidArgumentError("levels must be a non-empty sequence of level names")
+    for level in levels:
+        codec._level(level)  # raises on an unknown name
+    return tuple(sorted(set(levels), key=PREFERENCE.index))
+
+
+# ---- keys ---------------------------------------------------------------------------------------
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+
+
+def root_key(fingerprint: dict[str, Any], chunk_tokens: int) -> bytes:
+    """H_0: the model, its KV layout (FINGERPRINT_FIELDS) and the chunk size."""
+    canonical = {k: fingerprint.get(k) for k in FINGERPRINT_FIELDS}
+    canonical["chunk_tokens"] = chunk_tokens
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(KEY_DOMAIN + text.encode()).digest()
+
+
+def next_key(prev: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """H_i from H_{i-1} and the tokens of chunk i."""
+    return hashlib.sha256(prev + _token_bytes(tokens)).digest()
+
+
+def chunk_ranges(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[begin, end) of every chunk of a context of n_tokens; the last may be shorter."""
+    return [(b, min(b + chunk_tokens, n_tokens)) for b in range(0, n_tokens, chunk_tokens)]
+
+
+def chain_keys(
+    fingerprint: dict[str, Any], tokens: Sequence[int] | np.ndarray, chunk_tokens: int
+) -> list[str]:
+    """The hex keys H_1.. of the chunks of `tokens` (the last chunk may be partial)."""
+    _check_chunk_tokens(chunk_tokens)
+    keys, prev = [], root_key(fingerprint, chunk_tokens)
+    for begin, end in chunk_ranges(len(tokens), chunk_tokens):
+        prev = next_key(prev, tokens[begin:end])
+        keys.append(prev.hex())
+    return keys
+
+
+def split_manifest_url(url: str | Path) -> tuple[str, str]:
+    """(store URL, manifest key): a local path or file:// URL splits into its folder and file name,
+    `http://h:p/a/b` into `http://h:p` and `a/b`, `redis://h:p/0/a` into `redis://h:p/0` and `a`."""
+    text = str(url)
+    if stores.is_local(text):
+        from .stores.file import path_of
+
+        path = path_of(text)
+        return str(path.parent), stores.check_key(path.name)
+    base, key = stores.split_url(text)
+    return base, stores.check_key(key)
+
+
+# ---- binary envelopes: magic, u32 version, u32 header size, JSON header, arrays ----------------
+
+
+def _pack_envelope(magic: bytes, version: int, header: dict[str, Any], *arrays: np.ndarray) -> bytes:
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return _ENVELOPE.pack(magic, version, len(text)) + text + b"".join(a.tobytes() for a in arrays)
+
+
+def _unpack_envelope(
+    data: bytes, magic: bytes, version: int, max_header: int, what: str
+) -> tuple[dict[str, Any], int]:
+    """The JSON header and the offset of the arrays after it; CorruptDataError on anything else."""
+    if len(data) < _ENVELOPE.size or data[:4] != magic:
+        raise CorruptDataError(f"not a llama-cachegen {what} (magic {bytes(data[:4])!r})")
+    _, found, size = _ENVELOPE.unpack_from(data)
+    if found != version:
+        raise UnsupportedVersionError(f"{what} version {found}; this release reads {version}")
+    if size > min(max_header, len(data) - _ENVELOPE.size):
+        raise CorruptDataError(f"{what} header of {size} bytes overruns the object")
+    try:
+        header = json.loads(bytes(data[_ENVELOPE.size : _ENVELOPE.size + size]).decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptDataError(f"unreadable {what} header: {type(exc).__name__}") from None
+    _require(isinstance(header, dict), what, "the header is not an object")
+    return header, _ENVELOPE.size + size
+
+
+def _require(ok: bool, what: str, field_name: str) -> None:
+    if not ok:
+        raise CorruptDataError(f"invalid {what}: {field_name}")
+
+
+def _is_hex_id(value: Any) -> bool:
+    return isinstance(value, str) and _HEX_ID.fullmatch(value) is not None
+
+
+def _int32s(data: bytes, offset: int, count: int) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i4", count=count, offset=offset).astype(np.intc)
+
+
+# ---- chunk user_meta ----------------------------------------------------------------------------
+
+
+@dataclass
+class ChunkMeta:
+    """What a chunk object says about itself (its user_meta):
+
+    b"LCGK", u32 version, u32 header size, JSON header, i32 tokens[end - begin]
+    """
+
+    key: str  # H_i, hex
+    prev: str  # H_{i-1}, hex
+    level: str
+    begin: int
+    end: int
+    chunk_tokens: int
+    fingerprint_key: str  # llama.fingerprint_key of the saving context
+    stats_id: str  # sha256 of the statistics object it was coded with
+    skeleton_id: str  # sha256 of the skeleton written by the same save (covers at least `end`)
+    tokens: np.ndarray
+
+    def pack(self) -> bytes:
+        header = {
+            "key": self.key,
+            "prev": self.prev,
+            "level": self.level,
+            "begin": self.begin,
+            "end": self.end,
+            "chunk_tokens": self.chunk_tokens,
+            "fingerprint_key": self.fingerprint_key,
+            "stats": self.stats_id,
+            "skeleton": self.skeleton_id,
+        }
+        return _pack_envelope(
+            CHUNK_META_MAGIC, CHUNK_META_VERSION, header, np.ascontiguousarray(self.tokens, dtype="<i4")
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes) -> ChunkMeta:
+        what = "chunk header"
+        h, offset = _unpack_envelope(data, CHUNK_META_MAGIC, CHUNK_META_VERSION, _MAX_CHUNK_HEADER, what)
+        for name in ("key", "prev", "stats", "skeleton"):
+            _require(_is_hex_id(h.get(name)), what, name)
+        _require(h.get("level") in codec.LEVELS, what, "level")
+        _require(isinstance(h.get("fingerprint_key"), str), what, "fingerprint_key")
+        c, begin, end = h.get("chunk_tokens"), h.get("begin"), h.get("end")
+        _require(_is_int(c) and MIN_CHUNK_TOKENS <= c <= MAX_CHUNK_TOKENS, what, "chunk_tokens")
+        _require(_is_int(begin) and _is_int(end) and 0 <= begin < end <= begin + c, what, "begin/end")
+        _require(len(data) == offset + 4 * (end - begin), what, "token count")
+        return cls(
+            key=h["key"],
+            prev=h["prev"],
+            level=h["level"],
+            begin=begin,
+            end=end,
+            chunk_tokens=c,
+            fingerprint_key=h["fingerprint_key"],
+            stats_id=h["stats"],
+            skeleton_id=h["skeleton"],
+            tokens=_int32s(data, offset, end - begin),
+        )
+
+
+# ---- manifest -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ChunkEntry:
+    key: str  # H_i, hex
+    sizes: dict[str, int | None]  # level -> object bytes; None: stored by an earlier save
+
+
+@dataclass
+class Manifest:
+    """The object under a context's URL (docs/format.md, "Manifest and store layout"):
+
+        b"LCGM", u32 version, u32 header size, JSON header, StateMeta envelope (llama.py)
+
+    The envelope is the one a whole container carries (fingerprint, scope, n_ctx, tokens, last
+    logits); the header says where the K/V is. Chunked (`chunk_tokens` set): the skeleton's id, per
+    level the statistics id this save wrote (None when the store had every chunk of that level),
+    and per chunk its key and the sizes of its levels. Whole (`chunk_tokens` None): per level the
+    id and size of a whole container under `lcg2/wholes/<id>`.
+    """
+
+    meta: StateMeta
+    chunk_tokens: int | None
+    skeleton: str | None = None
+    stats: dict[str, str | None] = field(default_factory=dict)
+    chunks: list[ChunkEntry] = field(default_factory=list)
+    wholes: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        """Levels stored, best first."""
+        names = self.wholes if self.chunk_tokens is None else self.stats
+        return tuple(lv for lv in PREFERENCE if lv in names)
+
+    def pack(self) -> bytes:
+        header = {
+            "chunk_tokens": self.chunk_tokens,
+            "skeleton": self.skeleton,
+            "stats": self.stats,
+            "chunks": [{"key": c.key, "sizes": c.sizes} for c in self.chunks],
+            "wholes": {lv: {"id": i, "size": s} for lv, (i, s) in self.wholes.items()},
+        }
+        return _pack_envelope(MANIFEST_MAGIC, MANIFEST_VERSION, header) + self.meta.pack()
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Manifest:
+        """Parses and bounds-checks a manifest; anything malformed is a CorruptDataError."""
+        what = "manifest"
+        h, offset = _unpack_envelope(data, MANIFEST_MAGIC, MANIFEST_VERSION, _MAX_MANIFEST_HEADER, what)
+        manifest = cls(StateMeta.unpack(data[offset:]), h.get("chunk_tokens"))
+        c, n_tokens = manifest.chunk_tokens, manifest.meta.tokens.size
+        stats, chunks, wholes = h.get("stats"), h.get("chunks"), h.get("wholes")
+        _require(
+            isinstance(stats, dict) and isinstance(chunks, list) and isinstance(wholes, dict), what, "body"
+        )
+        if c is None:
+            _require(not chunks and not stats and h.get("skeleton") is None and bool(wholes), what, "wholes")
+            for level, entry in wholes.items():
+                _require(level in codec.LEVELS and isinstance(entry, dict), what, "wholes")
+                _require(_is_hex_id(entry.get("id")), what, "whole id")
+                _require(_is_int(entry.get("size")) and entry["size"] >= 0, what, "whole size")
+                manifest.wholes[level] = (entry["id"], entry["size"])
+            return manifest
+        _require(_is_int(c) and MIN_CHUNK_TOKENS <= c <= MAX_CHUNK_TOKENS, what, "chunk_tokens")
+        _require(not wholes and _is_hex_id(h.get("skeleton")) and bool(stats), what, "skeleton")
+        _require(n_tokens > 0 and len(chunks) == -(-n_tokens // c), what, "chunk count")
+        for level, stats_id in stats.items():
+            _require(level in codec.LEVELS and (stats_id is None or _is_hex_id(stats_id)), what, "stats")
+        for entry in chunks:
+            _require(isinstance(entry, dict) and _is_hex_id(entry.get("key")), what, "chunk key")
+            sizes = entry.get("sizes")
+            _require(isinstance(sizes, dict) and bool(sizes), what, "chunk sizes")
+            for level, size in sizes.items():
+                _require(
+                    level in stats and (size is None or (_is_int(size) and size >= 0)), what, "chunk sizes"
+                )
+            manifest.chunks.append(ChunkEntry(entry["key"], dict(sizes)))
+        manifest.skeleton, manifest.stats = h["skeleton"], dict(stats)
+        return manifest
+
+
+def read_manifest(url: str | Path) -> Manifest:
+    """The manifest at `url` (parsed and checked; no chunk is fetched)."""
+    store_url, key = split_manifest_url(url)
+    with stores.open_store(store_url) as store:
+        return Manifest.unpack(store.get(key))
+
+
+def is_manifest(data: bytes | bytearray | memoryview) -> bool:
+    """True when `data` starts like a manifest (a whole container starts with b"LCGC")."""
+    return bytes(data[:4]) == MANIFEST_MAGIC
+
+
+# ---- save ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class SaveReport:
+    """What `save_chunked` did."""
+
+    url: str
+    n_tokens: int
+    chunk_tokens: int | None  # None: saved whole (see `fallback`)
+    chunks: int
+    levels: tuple[str, ...]
+    objects_written: int  # chunks, statistics, skeleton, wholes (the manifest not counted)
+    objects_present: int  # content-addressed objects the store already had: not uploaded again
+    bytes_written: int  # the manifest included
+    level_bytes: dict[str, int]  # bytes of the chunks (or whole) written per level
+    fallback: str | None  # why the state was saved whole instead of in chunks
+    encode_ms: float
+    write_ms: float  # time spent waiting on the store (uploads overlap encoding)
+
+
+class _Uploads:
+    """Puts objects from one background thread while the caller encodes the next ones; at most
+    `depth` objects wait in memory."""
+
+    def __init__(self, store: stores.Store, depth: int = 2) -> None:
+        self._store, self._depth = store, depth
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lcg-upload")
+        self._pending: deque[Future[None]] = deque()
+        self.objects = self.bytes = 0
+        self.wait_s = 0.0
+
+    def put(self, key: str, data: bytes) -> None:
+        self._pending.append(self._pool.submit(self._store.put, key, data))
+        self.objects += 1
+        self.bytes += len(data)
+        while len(self._pending) > self._depth:
+            self._wait_one()
+
+    def _wait_one(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._pending.popleft().result()
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    def finish(self) -> None:
+        while self._pending:
+            self._wait_one()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def save_chunked(
+    llm: llama_cpp.Llama,
+    url: str | Path,
+    *,
+    levels: Sequence[str] = DEFAULT_LEVELS,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    seq_id: int | None = None,
+    tokens: Sequence[int] | None = None,
+    threads: int | None = None,
+) -> SaveReport:
+    """Saves the state of `llm` (every sequence, or `seq_id`) under the manifest URL `url`.
+
+    The state is captured once; per level one chunk encoder quantizes it once; only the chunk,
+    statistics and skeleton objects the store lacks are written, and the manifest last (atomic).
+    Token ids default to llama-cpp-python's own (seq_id None or 0). A state that cannot be
+    chunked (several sequences, a sliding-window cache without swa_full, no token ids) is saved as
+    one whole container per level instead, referenced by the manifest (`fallback` says why).
+    """
+    levels = _check_levels(levels)
+    chunk_tokens = _check_chunk_tokens(chunk_tokens)
+    _seq_id_ok(llm, seq_id)
+    store_url, manifest_key = split_manifest_url(url)
+    state = capture_state(llm, seq_id)
+    meta = capture_meta(llm, seq_id, tokens)
+    kind = "full_buffer" if seq_id is None else "seq_buffer"
+    info = codec.inspect_state(state, kind)
+    n = int(meta.tokens.size)
+    if not info["chunkable"]:
+        fallback = "the state is not one sequence at positions 0..n-1 (several sequences, SWA or empty)"
+    elif info["positions"] != (0, n):
+        fallback = f"{n} token ids for a state of positions {info['positions']}: pass tokens="
+    else:
+        fallback = None
+    manifest = Manifest(meta, chunk_tokens=None if fallback else chunk_tokens)
+    start = time.perf_counter()
+    with stores.open_store(store_url) as store:
+        uploads = _Uploads(store)
+        try:
+            if fallback:
+                present, level_bytes = _save_wholes(store, uploads, manifest, state, kind, levels, threads)
+            else:
+                present, level_bytes = _save_chunks(store, uploads, manifest, state, kind, levels, threads)
+            uploads.finish()
+            blob = manifest.pack()
+            put_start = time.perf_counter()
+            store.put(manifest_key, blob)  # last: a reader never sees a manifest without its objects
+            uploads.wait_s += time.perf_counter() - put_start
+        finally:
+            uploads.close()
+    total_s = time.perf_counter() - start
+    return SaveReport(
+        url=str(url),
+        n_tokens=n,
+        chunk_tokens=manifest.chunk_tokens,
+        chunks=len(manifest.chunks),
+        levels=levels,
+        objects_written=uploads.objects,
+        objects_present=present,
+        bytes_written=uploads.bytes + len(blob),
+        level_bytes=level_bytes,
+        fallback=fallback,
+        encode_ms=(total_s - uploads.wait_s) * 1e3,
+        write_ms=uploads.wait_s * 1e3,
+    )
+
+
+def _put_missing(store: stores.Store, uploads: _Uploads, key: str, data: bytes) -> bool:
+    """Uploads a content-addressed object unless the store has it; True when it was there."""
+    if store.exists(key):
+        return True
+    uploads.put(key, data)
+    return False
+
+
+def _save_wholes(
+    store: stores.Store,
+    uploads: _Uploads,
+    manifest: Manifest,
+    state: bytes,
+    kind: str,
+    levels: tuple[str, ...],
+    threads: int | None,
+) -> tuple[int, dict[str, int]]:
+    envelope = manifest.meta.pack()  # each whole loads on its own with load_compressed_state too
+    present, level_bytes = 0, {}
+    for level in levels:
+        blob = codec.encode(state, level, threads=threads, kind=kind, user_meta=envelope)
+        whole_id = _sha256(blob)
+        if _put_missing(store, uploads, _whole_key(whole_id), blob):
+            present += 1
+        else:
+            level_bytes[level] = len(blob)
+        manifest.wholes[level] = (whole_id, len(blob))
+    return present, level_bytes
+
+
+def _save_chunks(
+    store: stores.Store,
+    uploads: _Uploads,
+    manifest: Manifest,
+    state: bytes,
+    kind: str,
+    levels: tuple[str, ...],
+    threads: int | None,
+) -> tuple[int, dict[str, int]]:
+    c = manifest.chunk_tokens
+    assert c is not None
+    tokens, fingerprint = manifest.meta.tokens, manifest.meta.fingerprint
+    ranges = chunk_ranges(tokens.size, c)
+    keys = chain_keys(fingerprint, tokens, c)
+    manifest.chunks = [ChunkEntry(key, {}) for key in keys]
+    skeleton = codec.encode_skeleton(state, kind=kind)
+    manifest.skeleton = _sha256(skeleton)
+    present = int(_put_missing(store, uploads, _skeleton_key(manifest.skeleton), skeleton))
+    fp_key = fingerprint_key(fingerprint)
+    level_bytes: dict[str, int] = {}
+    for level in levels:
+        missing = [i for i, key in enumerate(keys) if not store.exists(_chunk_key(key, level))]
+        present += len(keys) - len(missing)
+        for i in set(range(len(keys))) - set(missing):
+            manifest.chunks[i].sizes[level] = None  # stored by an earlier save: never re-encoded
+        manifest.stats[level] = None
+        if not missing:
+            continue
+        chunker = codec.Chunker(state, level, threads=threads, kind=kind)
+        stats = chunker.stats()
+        stats_id = hashlib.sha256(stats).digest()
+        manifest.stats[level] = stats_id.hex()
+        present += _put_missing(store, uploads, _stats_key(stats_id.hex()), stats)
+        level_bytes[level] = 0
+        for i in missing:
+            begin, end = ranges[i]
+            meta = ChunkMeta(
+                key=keys[i],
+                prev=keys[i - 1] if i else root_key(fingerprint, c).hex(),
+                level=level,
+                begin=begin,
+                end=end,
+                chunk_tokens=c,
+                fingerprint_key=fp_key,
+                stats_id=stats_id.hex(),
+                skeleton_id=manifest.skeleton,
+                tokens=tokens[begin:end],
+            )
+            blob = chunker.chunk(begin, end, stats_id, meta.pack())
+            uploads.put(_chunk_key(keys[i], level), blob)
+            manifest.chunks[i].sizes[level] = len(blob)
+            level_bytes[level] += len(blob)
+    return present, level_bytes
+
+
+# ---- load ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Fetched:
+    index: int
+    level: str
+    chunk: bytes
+    meta: ChunkMeta
+    stats: bytes
+    fetch_s: float
+
+
+class _ChunkReader:
+    """Fetches chunk objects and the statistics they name, verifying each against what the loader
+    expects (key chain, tokens, fingerprint, positions, ids) before anything is decoded."""
+
+    def __init__(
+        self,
+        store: stores.Store,
+        fingerprint: dict[str, Any],
+        tokens: np.ndarray,
+        chunk_tokens: int,
+        keys: list[str],
+        candidates: list[tuple[str, ...]],
+    ) -> None:
+        self.store, self.tokens, self.chunk_tokens = store, tokens, chunk_tokens
+        self.fingerprint = fingerprint
+        self.fp_key = fingerprint_key(fingerprint)
+        self.root = root_key(fingerprint, chunk_tokens).hex()
+        self.keys, self.candidates = keys, candidates
+        self.ranges = chunk_ranges(len(tokens), chunk_tokens)
+        self._stats: dict[str, bytes] = {}
+        self.bytes_read = 0
+
+    def get_verified(self, key: str, object_id: str, what: str) -> bytes:
+        """A content-addressed object whose sha256 must be its id."""
+        data = self.store.get(key)
+        self.bytes_read += len(data)
+        if _sha256(data) != object_id:
+            raise CorruptDataError(f"{what} {key!r} does not hash to its id")
+        return data
+
+    def fetch(self, i: int) -> _Fetched:
+        start = time.perf_counter()
+        for level in self.candidates[i]:
+            try:
+                chunk = self.store.get(_chunk_key(self.keys[i], level))
+            except EntryNotFoundError:
+                continue  # evicted since the manifest was written: the next level may be there
+            self.bytes_read += len(chunk)
+            meta = self._check(i, level, chunk)
+            if meta.stats_id not in self._stats:
+                self._stats[meta.stats_id] = self.get_verified(
+                    _stats_key(meta.stats_id), meta.stats_id, "statistics"
+                )
+            return _Fetched(i, level, chunk, meta, self._stats[meta.stats_id], time.perf_counter() - start)
+        raise EntryNotFoundError(
+            f"chunk {i} ({self.keys[i]}) is stored at none of the levels {', '.join(self.candidates[i])}"
+        )
+
+    def _check(self, i: int, level: str, chunk: bytes) -> ChunkMeta:
+        meta = ChunkMeta.unpack(codec.user_meta(chunk))  # checksum-verified by the native library
+        name = f"chunk {i} ({_chunk_key(self.keys[i], level)})"
+        if meta.fingerprint_key != self.fp_key:
+            raise ModelMismatchError(f"{name} was saved from another model or KV layout")
+        prev = self.keys[i - 1] if i else self.root
+        if meta.key != self.keys[i] or meta.prev != prev or meta.level != level:
+            raise CorruptDataError(f"{name} holds another chunk (key {meta.key}, level {meta.level})")
+        if next_key(bytes.fromhex(meta.prev), meta.tokens).hex() != meta.key:
+            raise CorruptDataError(f"{name}: its key does not recompute from its tokens")
+        begin, end = self.ranges[i]
+        if (meta.begin, meta.end, meta.chunk_tokens) != (begin, end, self.chunk_tokens) or not np.array_equal(
+            meta.tokens, self.tokens[begin:end]
+        ):
+            raise CorruptDataError(f"{name} holds other tokens or positions than expected")
+        info = codec.inspect(chunk)
+        if info["part"] != "chunk" or info["positions"] != (begin, end) or info["stats_id"] != meta.stats_id:
+            raise CorruptDataError(f"{name}: its container disagrees with its header")
+        if info["level"] != level:
+            raise CorruptDataError(f"{name} is coded at level {info['level']}")
+        return meta
+
+
+def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> int:
+    """An upper bound on the state of n_pos positions: four times any f32 K+V layout of two caches
+    per cell, plus the skeleton's own bytes. Refuses a forged skeleton asking for far more."""
+    per_cell = 64 * int(fingerprint.get("n_layer") or 0) * int(fingerprint.get("n_embd") or 0)
+    return len(skeleton) + n_pos * per_cell
+
+
+def _assemble(
+    reader: _ChunkReader, skeleton_id: str | None, threads: int | None
+) -> tuple[bytearray, bytes, dict[str, Any]]:
+    """Fetches and decodes every chunk into a state built from the skeleton; fetching chunk i+1
+    overlaps decoding chunk i (the native decode releases the GIL). With `skeleton_id` None the
+    skeleton named by the last chunk is used, so that chunk is fetched first.
+
+    Returns the state, the skeleton and timing/level figures.
+    """
+    n_chunks = len(reader.keys)
+    order = list(range(n_chunks))
+    first: _Fetched | None = None
+    if skeleton_id is None:
+        first = reader.fetch(n_chunks - 1)
+        skeleton_id = first.meta.skeleton_id
+        order = [n_chunks - 1, *range(n_chunks - 1)]
+    skeleton = reader.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton")
+    n_pos = len(reader.tokens)
+    state = codec.skeleton_state(skeleton, n_pos, max_size=_state_bound(reader.fingerprint, n_pos, skeleton))
+    levels: dict[str, int] = {}
+    fetch_s = decode_s = 0.0
+    with ThreadPoolExecutor(1, thread_name_prefix="lcg-fetch") as pool:
+        pending: deque[Future[_Fetched]] = deque()
+        ahead: Iterator[int] = iter(order[1:] if first else order)
+
+        def submit_next() -> None:
+            i = next(ahead, None)
+            if i is not None:
+                pending.append(pool.submit(reader.fetch, i))
+
+        submit_next()
+        try:
+            for _ in order:
+                got = first if first is not None else pending.popleft().result()
+                first = None
+                submit_next()
+                start = time.perf_counter()
+                codec.decode_chunk(
+                    got.chunk, got.stats, bytes.fromhex(got.meta.stats_id), state, threads=threads
+                )
+                decode_s += time.perf_counter() - start
+                fetch_s += got.fetch_s
+                levels[got.level] = levels.get(got.level, 0) + 1
+        finally:
+            for future in pending:
+                future.cancel()
+    return state, skeleton, {"levels": levels, "fetch_s": fetch_s, "decode_s": decode_s}
+
+
+def _candidates(sizes: dict[str, Any], level: str | None, index: int) -> tuple[str, ...]:
+    if level is None:
+        return tuple(lv for lv in PREFERENCE if lv in sizes)
+    if level not in sizes:
+        raise EntryNotFoundError(f"chunk {index} is not stored at level {level!r} (only {', '.join(sizes)})")
+    return (level,)
+
+
+def _target(scope: str, seq_id: int | None) -> int | None:
+    """Where a state of `scope` goes: the whole context, or sequence `seq_id` (default 0)."""
+    if scope == "all":
+        if seq_id is not None:
+            raise InvalidArgumentError("this state holds the whole context: load it with seq_id=None")
+        return None
+    return 0 if seq_id is None else seq_id
+
+
+def _check_room(llm: llama_cpp.Llama, n_tokens: int) -> None:
+    n_ctx = min(llm.n_ctx(), len(llm.input_ids))
+    if n_tokens > n_ctx:
+        raise ModelMismatchError(f"context too small: the state holds {n_tokens} tokens, n_ctx is {n_ctx}")
+
+
+def _restore(
+    llm: llama_cpp.Llama, state: bytearray, target: int | None, tokens: np.ndarray, logits: np.ndarray | None
+) -> None:
+    """One llama.cpp set call; if llama.cpp refuses, the context is put back as it was (else
+    cleared). Then llama-cpp-python's tokens and last logits, as load_compressed_state sets them."""
+    backup = capture_state(llm, target)
+    if not restore_state(llm, state, target):
+        restored = restore_state(llm, backup, target)
+        if not restored:
+            _forget(llm, target)
+        raise ModelMismatchError(
+            "llama.cpp refused the assembled state (see its log); the context was "
+            + ("put back as it was" if restored else "cleared: it could not be put back")
+        )
+    if target in (None, 0):
+        n = int(tokens.size)
+        llm.input_ids[:n] = tokens
+        llm.n_tokens = n
+        if logits is not None and n and llm._logits_all and logits.size == llm.n_vocab():
+            llm.scores[n - 1] = logits
+        llm._requires_eval = True  # llama.cpp keeps no logits in a state: the last token is decoded again
+
+
+def load_chunked(
+    llm: llama_cpp.Llama,
+    url: str | Path,
+    *,
+    level: str | None = None,
+    seq_id: int | None = None,
+    threads: int | None = None,
+    manifest: bytes | None = None,
+) -> LoadReport:
+    """Loads a context saved by `save_chunked`: per chunk the best level stored (or `level`).
+
+    Every object is verified (key chain, tokens, fingerprint, ids, checksums) and decoded into one
+    buffer before the context is touched, which then takes it in one llama.cpp call; on any error
+    the context is left as it was. `manifest` passes the manifest's bytes when already read.
+    A whole-context state needs seq_id None; a sequence state goes into `seq_id` (default 0).
+    """
+    t0 = time.perf_counter()
+    if level is not None:
+        codec._level(level)
+    store_url, key = split_manifest_url(url)
+    with stores.open_store(store_url) as store:
+        data = store.get(key) if manifest is None else bytes(manifest)
+        m = Manifest.unpack(data)
+        fingerprint = model_fingerprint(llm)
+        check_fingerprint(m.meta.fingerprint, fingerprint)
+        target = _target(m.meta.scope, seq_id)
+        _seq_id_ok(llm, target)
+        tokens = m.meta.tokens
+        _check_room(llm, int(tokens.size))
+        if m.chunk_tokens is None:
+            return _load_whole(llm, store, m, level, seq_id, threads, len(data))
+        keys = chain_keys(fingerprint, tokens, m.chunk_tokens)
+        if keys != [c.key for c in m.chunks]:
+            raise CorruptDataError("the manifest's chunk keys do not recompute from its tokens")
+        candidates = [_candidates(c.sizes, level, i) for i, c in enumerate(m.chunks)]
+        reader = _ChunkReader(store, fingerprint, tokens, m.chunk_tokens, keys, candidates)
+        t1 = time.perf_counter()
+        state, _, figures = _assemble(reader, m.skeleton, threads)
+    t2 = time.perf_counter()
+    _restore(llm, state, target, tokens, m.meta.logits)
+    t3 = time.perf_counter()
+    bytes_read = len(data) + reader.bytes_read
+    return LoadReport(
+        tokens=int(tokens.size) if target in (None, 0) else 0,
+        cells=int(tokens.size),
+        bytes_read=bytes_read,
+        state_bytes=len(state),
+        ratio=len(state) / bytes_read,
+        read_ms=(t1 - t0 + figures["fetch_s"]) * 1e3,
+        decode_ms=figures["decode_s"] * 1e3,
+        restore_ms=(t3 - t2) * 1e3,
+        seq_id=target,
+        extra={
+            "chunks": len(keys),
+            "chunk_tokens": m.chunk_tokens,
+            "levels": figures["levels"],
+            "assemble_ms": (t2 - t1) * 1e3,  # fetch and decode overlapped
+        },
+    )
+
+
+def _load_whole(
+    llm: llama_cpp.Llama,
+    store: stores.Store,
+    m: Manifest,
+    level: str | None,
+    seq_id: int | None,
+    threads: int | None,
+    manifest_bytes: int,
+) -> LoadReport:
+    """The fallback of states saved whole: the best level stored, checked against its id, then
+    load_compressed_state (which checks its envelope again and rolls back on refusal)."""
+    for name in _candidates(m.wholes, level, 0):
+        whole_id, _ = m.wholes[name]
+        try:
+            blob = store.get(_whole_key(whole_id))
+        except EntryNotFoundError:
+            continue
+        if _sha256(blob) != whole_id:
+            raise CorruptDataError(f"whole container {_whole_key(whole_id)!r} does not hash to its id")
+        report = load_compressed_state(llm, blob, seq_id=seq_id, threads=threads)
+        report.bytes_read += manifest_bytes
+        report.extra.update(chunks=0, chunk_tokens=None, levels={name: 1})
+        return report
+    raise EntryNotFoundError(f"none of the whole containers ({', '.join(m.wholes)}) is in the store")
+
+
+@dataclass
+class PrefixMatch:
+    """The longest prefix of a token list whose chunks a store holds."""
+
+    chunk_tokens: int
+    chunks: int
+    positions: int  # tokens covered (the last matched chunk may be partial)
+    keys: list[str]
+    levels: list[tuple[str, ...]]  # per chunk the levels stored, best first
+
+
+def longest_prefix(
+    store_url: str | Path,
+    llm: llama_cpp.Llama,
+    tokens: Sequence[int],
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> PrefixMatch:
+    """Walks the chained keys of `tokens` with `exists` calls only (no K/V is fetched)."""
+    with stores.open_store(str(store_url)) as store:
+        return _match(store, model_fingerprint(llm), np.asarray(tokens, dtype=np.intc), chunk_tokens)
+
+
+def _match(
+    store: stores.Store, fingerprint: dict[str, Any], tokens: np.ndarray, chunk_tokens: int
+) -> PrefixMatch:
+    keys: list[str] = []
+    levels: list[tuple[str, ...]] = []
+    for key in chain_keys(fingerprint, tokens, chunk_tokens):
+        stored = tuple(lv for lv in PREFERENCE if store.exists(_chunk_key(key, lv)))
+        if not stored:
+            break
+        keys.append(key)
+        levels.append(stored)
+    positions = min(len(keys) * chunk_tokens, int(tokens.size))
+    return PrefixMatch(chunk_tokens, len(keys), positions, keys, levels)
+
+
+def load_prefix(
+    llm: llama_cpp.Llama,
+    store_url: str | Path,
+    tokens: Sequence[int],
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    level: str | None = None,
+    seq_id: int | None = None,
+    threads: int | None = None,
+) -> LoadReport:
+    """Loads the longest stored prefix of `tokens` (no manifest needed: any save that stored those
+    chunks serves), with the skeleton named by its last chunk. Finds nothing: returns a report of
+    0 tokens and leaves the context alone. Else as `load_chunked`; the tokens after the prefix are
+    the caller's to evaluate. The skeleton decides the scope: a whole-context save needs seq_id
+    None, a sequence save goes into `seq_id` (default 0).
+    """
+    t0 = time.perf_counter()
+    if level is not None:
+        codec._level(level)
+    _seq_id_ok(llm, seq_id)
+    query = np.asarray(tokens, dtype=np.intc)
+    fingerprint = model_fingerprint(llm)
+    with stores.open_store(str(store_url)) as store:
+        match = _match(store, fingerprint, query, chunk_tokens)
+        if level is not None:  # the prefix ends at the first chunk without that level
+            match.chunks = next((i for i, lv in enumerate(match.levels) if level not in lv), match.chunks)
+            match.positions = min(match.chunks * chunk_tokens, int(query.size))
+            del match.keys[match.chunks :], match.levels[match.chunks :]
+        if not match.chunks:
+            elapsed = (time.perf_counter() - t0) * 1e3
+            return LoadReport(0, 0, 0, 0, 0.0, elapsed, 0.0, 0.0, seq_id, extra={"chunks": 0, "match": match})
+        prefix = query[: match.positions]
+        _check_room(llm, match.positions)
+        candidates = [(level,) if level else lv for lv in match.levels]
+        reader = _ChunkReader(store, fingerprint, prefix, chunk_tokens, match.keys, candidates)
+        t1 = time.perf_counter()
+        state, skeleton, figures = _assemble(reader, None, threads)
+    target = _target("all" if codec.inspect(skeleton)["kind"] == "full_buffer" else "seq", seq_id)
+    t2 = time.perf_counter()
+    _restore(llm, state, target, prefix, None)
+    t3 = time.perf_counter()
+    return LoadReport(
+        tokens=match.positions if target in (None, 0) else 0,
+        cells=match.positions,
+        bytes_read=reader.bytes_read,
+        state_bytes=len(state),
+        ratio=len(state) / reader.bytes_read,
+        read_ms=(t1 - t0 + figures["fetch_s"]) * 1e3,
+        decode_ms=figures["decode_s"] * 1e3,
+        restore_ms=(t3 - t2) * 1e3,
+        seq_id=target,
+        extra={
+            "chunks": match.chunks,
+            "levels": figures["levels"],
+            "match": match,
+            "assemble_ms": (t2 - t1) * 1e3,
+        },
+    )
