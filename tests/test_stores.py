@@ -371,8 +371,7 @@ def test_keep_alive_reuses_one_connection(http_server: tuple[str, Path]) -> None
         for i in range(20):
             store.put(f"ka/{i}.bin", b"x" * i)
             assert store.get(f"ka/{i}.bin") == b"x" * i
-        pools = list(store._pool.pools._container.values())
-        assert len(pools) == 1 and pools[0].num_connections == 1
+        assert store._pool.connection_from_url(base).num_connections == 1  # opened once, reused
 
 
 def test_folders_files_and_links_are_4xx_not_tracebacks(
