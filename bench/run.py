@@ -114,7 +114,7 @@ def run(cfg: Config, argv: list[str]) -> Path:
     points, states = rate_distortion.run(cfg, tokens)
 
     state = states[(cfg.texts[0], cfg.target_len)]
-    speed_rows = speed.codec_speed(cfg, state)
+    speed_rows = speed.codec_speed(cfg, state) + speed.decode_paths(cfg, state)
 
     threads = max(cfg.codec_threads)
     levels = {

@@ -39,7 +39,10 @@ def codec_speed(cfg: Config, state: bytes) -> list[SpeedRow]:
             enc = median_time(
                 lambda lv=level, t=threads: llama_cachegen.encode(state, lv, threads=t), cfg.reps
             )
-            dec = median_time(lambda t=threads, b=blob: llama_cachegen.decode(b, threads=t), cfg.reps)
+            dst = bytearray(len(state))  # reused: the loader's fast path (a fresh buffer adds page faults)
+            dec = median_time(
+                lambda t=threads, b=blob, d=dst: llama_cachegen.codec.decode_into(b, d, threads=t), cfg.reps
+            )
             rows.append(SpeedRow(level, threads, len(state), len(blob), enc, dec))
     for name, compress, decompress in (
         ("zstd -3", zstd_compress, zstd_decompress),
@@ -62,6 +65,50 @@ def codec_speed(cfg: Config, state: bytes) -> list[SpeedRow]:
             median_time(lambda: np.copyto(dst, src), cfg.reps),
         )
     )
+    return rows
+
+
+# Decoder paths, chosen when the library loads (environment): AVX2 with the gather instruction (the
+# default), AVX2 with scalar table loads, and the scalar reference.
+PATHS = {"avx2 gather": {}, "avx2 scalar loads": {"LCG_SCALAR_LOADS": "1"}, "scalar": {"LCG_NO_SIMD": "1"}}
+_PATH_SCRIPT = """
+import sys, time, llama_cachegen as l
+state = open(sys.argv[1], 'rb').read()
+for level in sys.argv[3:]:
+    blob = l.encode(state, level, threads=1)
+    dst = bytearray(len(state))
+    times = []
+    for _ in range(int(sys.argv[2])):
+        t = time.perf_counter()
+        l.codec.decode_into(blob, dst, threads=1)
+        times.append(time.perf_counter() - t)
+    print(level, len(blob), min(times))
+"""
+
+
+def decode_paths(cfg: Config, state: bytes) -> list[SpeedRow]:
+    """Single-thread decode time of every level on each decoder path (one subprocess per path)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    rows = []
+    with tempfile.NamedTemporaryFile(suffix=".state") as f:
+        f.write(state)
+        f.flush()
+        for path, env in PATHS.items():
+            log(f"speed: decoder path {path}")
+            out = subprocess.run(
+                [sys.executable, "-c", _PATH_SCRIPT, f.name, str(max(cfg.reps, 3)), *LEVELS],
+                env=os.environ | env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            for line in out.splitlines():
+                level, size, seconds = line.split()
+                rows.append(SpeedRow(f"{level} ({path})", 1, len(state), int(size), None, float(seconds)))
     return rows
 
 

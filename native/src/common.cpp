@@ -147,36 +147,6 @@ static const float * build_f16_table() {
 const float * const f16_table = build_f16_table();
 
 // Round to nearest even, with overflow to infinity and gradual underflow (as F16C does).
-uint16_t f32_to_f16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    const uint32_t sign = (u >> 16) & 0x8000;
-    u &= 0x7fffffff;
-    if (u >= 0x7f800000u) {  // inf or nan
-        return static_cast<uint16_t>(sign | 0x7c00 | (u > 0x7f800000u ? 0x200 : 0));
-    }
-    if (u >= 0x477ff000u) {  // rounds to >= 65520: overflow
-        return static_cast<uint16_t>(sign | 0x7c00);
-    }
-    if (u < 0x38800000u) {  // below the smallest normal half: subnormal or zero
-        const float a = std::fabs(f) * 16777216.0f;  // in units of 2^-24
-        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a)));
-    }
-    const uint32_t mant_odd = (u >> 13) & 1;
-    u += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round to nearest even
-    return static_cast<uint16_t>(sign | (u >> 13));
-}
-
-uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000u) {
-        return static_cast<uint16_t>((u >> 16) | 0x40);  // keep nan a nan
-    }
-    u += 0x7fff + ((u >> 16) & 1);
-    return static_cast<uint16_t>(u >> 16);
-}
-
 #if defined(__x86_64__)
 const bool cpu_has_avx2 =
     __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && std::getenv("LCG_NO_SIMD") == nullptr;

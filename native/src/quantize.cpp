@@ -43,14 +43,6 @@ ChannelQuant channel_quant(double mean, double step) {
     return cq;
 }
 
-void store_float(uint8_t * p, int32_t ggml_type, float v) {
-    if (ggml_type == GGML_F32) {
-        std::memcpy(p, &v, 4);
-        return;
-    }
-    const uint16_t h = ggml_type == GGML_F16 ? f32_to_f16(v) : f32_to_bf16(v);
-    std::memcpy(p, &h, 2);
-}
 
 namespace {
 

@@ -4,6 +4,8 @@
 
 #include "common.h"
 
+#include <cmath>
+
 #include <vector>
 
 namespace lcg {
@@ -52,13 +54,21 @@ inline float load_float(const uint8_t * p, int32_t ggml_type) {
     std::memcpy(&h, p, 2);
     return ggml_type == GGML_F16 ? f16_to_f32(h) : bf16_to_f32(h);
 }
-void store_float(uint8_t * p, int32_t ggml_type, float v);
+inline void store_float(uint8_t * p, int32_t ggml_type, float v) {
+    if (ggml_type == GGML_F32) {
+        std::memcpy(p, &v, 4);
+        return;
+    }
+    const uint16_t h = ggml_type == GGML_F16 ? f32_to_f16(v) : f32_to_bf16(v);
+    std::memcpy(p, &h, 2);
+}
 
 // Reconstruction of q: mean + sign(q) (|q| - shrink) step, as exactly these float operations (a
 // subtraction, a multiply, an add; the build keeps the compiler from fusing them) so that the scalar
 // and SIMD decoders (and a GPU) give the same bits. shrink = shrink_u8 / 256.
 inline float dequant(float mean, float step, float shrink, float q) {
-    const float t = q > 0.0f ? q - shrink : q < 0.0f ? q - (-shrink) : 0.0f;
+    // branch-free: the sign of q is a coin flip
+    const float t = q - std::copysign(shrink, q) * static_cast<float>(q != 0.0f);
     return t * step + mean;
 }
 

@@ -219,18 +219,42 @@ inline void store_value(const LossyDst & d, RowUnit ru, float q) {
     store_float(element_ptr(d, ru), d.obj->ggml_type, dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], q));
 }
 
-void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, size_t k0, std::vector<uint64_t> & esc) {
+// The scalar reference, from element k0 (a multiple of 32) to the end, one outer line at a time.
+template <int32_t TYPE, bool TRANSPOSED>
+void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, size_t k0, std::vector<uint64_t> & esc) {
     const TensorDesc & t = *d.obj;
-    const size_t inner = n_inner(t);
-    rans::decode_stream(
-        c, k0, n_outer(t), inner,
-        [&](size_t o, size_t i) { return d.slots + (row_unit(t, o, i).unit / d.group) * rans::PROB_SCALE; },
-        [&](size_t o, size_t i, uint8_t s) {
+    const size_t n_o = n_outer(t), n_i = n_inner(t);
+    std::vector<const uint32_t *> slots(t.n_units);
+    std::vector<float> step(t.n_units), shrink(t.n_units);
+    for (uint32_t u = 0; u < t.n_units; u++) {
+        slots[u] = d.slots + (u / d.group) * rans::PROB_SCALE;
+        step[u] = d.step[u / d.group];
+        shrink[u] = d.shrink[u / d.group];
+    }
+    uint32_t j = 0;
+    size_t i = k0 % n_i;
+    for (size_t o = k0 / n_i; o < n_o; o++, i = 0) {
+        uint8_t * line = TRANSPOSED ? d.base + o * d.dst.unit : d.base + d.row_cell[o] * d.dst.cell;
+        for (; i < n_i; i++) {
+            const size_t u = TRANSPOSED ? o : i;
+            const uint8_t s = rans::decode_symbol(c, j, slots[u]);
+            j = (j + 1) % rans::LANES;
             if (s == SYM_ESCAPE) {
-                esc.push_back(o * inner + i);
+                esc.push_back(o * n_i + i);
             }
-            store_value(d, row_unit(t, o, i), static_cast<float>(static_cast<int32_t>(s) - SYM_ZERO));
-        });
+            uint8_t * p = TRANSPOSED ? line + d.row_cell[i] * d.dst.cell : line + i * d.dst.unit;
+            store_float(p, TYPE, dequant(d.mean[u], step[u], shrink[u], static_cast<float>(static_cast<int32_t>(s) - SYM_ZERO)));
+        }
+    }
+}
+
+void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, size_t k0, std::vector<uint64_t> & esc) {
+    const bool tr = d.obj->transposed;
+    switch (d.obj->ggml_type) {
+        case GGML_F16: return tr ? decode_lossy_lines<GGML_F16, true>(c, d, k0, esc) : decode_lossy_lines<GGML_F16, false>(c, d, k0, esc);
+        case GGML_BF16: return tr ? decode_lossy_lines<GGML_BF16, true>(c, d, k0, esc) : decode_lossy_lines<GGML_BF16, false>(c, d, k0, esc);
+        default: return tr ? decode_lossy_lines<GGML_F32, true>(c, d, k0, esc) : decode_lossy_lines<GGML_F32, false>(c, d, k0, esc);
+    }
 }
 
 #if defined(__x86_64__)
