@@ -1,0 +1,364 @@
+"""Chunked contexts on the real model and real stores: lossless rebuilds, mixed decoded/computed
+assembly, prefix sharing, refusal of bad objects, the whole-container fallback."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from llama_cachegen import chunks, codec, stores
+from llama_cachegen.errors import (
+    AuthenticationError,
+    ChecksumError,
+    CorruptDataError,
+    InvalidArgumentError,
+    ModelMismatchError,
+    TruncatedDataError,
+    UnsupportedVersionError,
+)
+from llama_cachegen.llama import Llama, capture_state, model_fingerprint, restore_state
+from llama_cachegen.model import default_model_path, sample_text
+from llama_cachegen.quality import compare_logits
+from test_stores import http_server, redis_url  # noqa: F401 - fixtures
+
+N, CONT = 1030, 16  # N is divisible by none of the chunk sizes below
+LEVELS = ("lossless", "balanced")
+
+
+def _llama(**kwargs: Any) -> Llama:
+    params: dict[str, Any] = {"n_ctx": 1100, "n_threads": 2, "n_threads_batch": 2, "verbose": False}
+    params.update(kwargs)
+    return Llama(str(default_model_path()), **params)
+
+
+def _greedy(llm: Llama, prompt: list[int]) -> str:
+    return llm.create_completion(prompt, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+
+
+def _set(llm: Llama, state: bytes | bytearray, tokens: list[int]) -> None:
+    """The whole context := `state` holding `tokens`."""
+    assert restore_state(llm, state, None)
+    llm.input_ids[: len(tokens)] = tokens
+    llm.n_tokens = len(tokens)
+
+
+def _objects(store: stores.Store, part: str) -> list[str]:
+    return sorted(e.key for e in store.list(f"lcg2/{part}/"))
+
+
+def _decode_into(store: stores.Store, key: str, level: str, state: bytearray) -> None:
+    """Decodes one stored chunk into `state`, with codec calls only."""
+    chunk = store.get(f"lcg2/chunks/{key}/{level}")
+    stats_id = codec.inspect(chunk)["stats_id"]
+    codec.decode_chunk(chunk, store.get(f"lcg2/stats/{stats_id}"), bytes.fromhex(stats_id), state)
+
+
+@pytest.fixture(scope="module")
+def original(gpl_tokens: list[int], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """N tokens saved losslessly at C = 64, 256 and 1000, the logits of a CONT-token continuation
+    and the greedy answer."""
+    root = tmp_path_factory.mktemp("chunks")
+    llm = _llama(logits_all=True)
+    prefix, cont = gpl_tokens[:N], gpl_tokens[N : N + CONT]
+    llm.eval(prefix)
+    state = capture_state(llm, None)
+    reports = {
+        c: chunks.save_chunked(llm, root / f"c{c}" / "ctx", levels=LEVELS, chunk_tokens=c)
+        for c in (64, 256, 1000)
+    }
+    last_row = llm.scores[N - 1].copy()
+    llm.eval(cont)
+    cont_row = llm.scores[N + CONT - 1].copy()
+    llm.n_tokens = N
+    greedy = _greedy(llm, prefix)
+    return {
+        "root": root,
+        "prefix": prefix,
+        "cont": cont,
+        "state": state,
+        "last_row": last_row,
+        "cont_row": cont_row,
+        "greedy": greedy,
+        "reports": reports,
+    }
+
+
+@pytest.fixture(scope="module")
+def loader() -> Llama:
+    return _llama(logits_all=True)
+
+
+@pytest.mark.parametrize("c", [64, 256, 1000])
+def test_lossless_rebuild_is_byte_identical_and_continues(
+    original: dict[str, Any], loader: Llama, c: int
+) -> None:
+    url = original["root"] / f"c{c}" / "ctx"
+    report = original["reports"][c]
+    assert N % c and report.chunks == -(-N // c) and report.fallback is None
+    assert report.objects_written == 2 * report.chunks + 2 + 1  # chunks per level, 2 stats, 1 skeleton
+    manifest = chunks.read_manifest(url)
+    assert manifest.chunk_tokens == c and manifest.levels == LEVELS
+    with stores.open_store(str(url.parent)) as store:
+        state = codec.skeleton_state(store.get(f"lcg2/skeletons/{manifest.skeleton}"), N)
+        for entry in manifest.chunks:
+            _decode_into(store, entry.key, "lossless", state)
+        assert state == original["state"]
+    loaded = chunks.load_chunked(loader, url)
+    assert loaded.tokens == N and loaded.extra["levels"] == {"lossless": report.chunks}
+    assert capture_state(loader, None) == original["state"]
+    np.testing.assert_array_equal(loader.scores[N - 1], original["last_row"])  # from the manifest
+    loader.eval(original["cont"])
+    np.testing.assert_array_equal(loader.scores[N + CONT - 1], original["cont_row"])
+    loader.n_tokens = N
+    assert _greedy(loader, original["prefix"]) == original["greedy"]
+
+
+def test_lossy_level_loads_when_asked(original: dict[str, Any], loader: Llama) -> None:
+    loaded = chunks.load_chunked(loader, original["root"] / "c256" / "ctx", level="balanced")
+    assert loaded.extra["levels"] == {"balanced": 5} and loaded.tokens == N
+    loader.eval(original["cont"])
+    metrics = compare_logits(original["cont_row"][None], loader.scores[N + CONT - 1][None], [0, 0])
+    assert metrics["kl"] < 0.05 and metrics["top1"] == 1.0
+
+
+def test_mixed_assembly_of_decoded_and_computed_chunks(original: dict[str, Any], loader: Llama) -> None:
+    """Chunks 2 and the last are computed by llama.cpp on top of the assembled chunks before them
+    and spliced in; the rest are decoded. The result continues like the original."""
+    prefix, c = original["prefix"], 64
+    manifest = chunks.read_manifest(original["root"] / f"c{c}" / "ctx")
+    ranges = chunks.chunk_ranges(N, c)
+    computed = {2, len(ranges) - 1}
+    with stores.open_store(str(original["root"] / f"c{c}")) as store:
+        skeleton = store.get(f"lcg2/skeletons/{manifest.skeleton}")
+        state = codec.skeleton_state(skeleton, N)
+        for i, (begin, end) in enumerate(ranges):
+            if i in computed:
+                before = codec.skeleton_state(skeleton, begin)
+                codec.splice(before, state, 0, begin)
+                _set(loader, before, prefix[:begin])
+                loader.eval(prefix[begin:end])
+                codec.splice(state, capture_state(loader, None), begin, end)
+            else:
+                _decode_into(store, manifest.chunks[i].key, "lossless", state)
+    assert len(state) == len(original["state"])
+    _set(loader, state, prefix)
+    loader.eval(original["cont"])
+    metrics = compare_logits(original["cont_row"][None], loader.scores[N + CONT - 1][None], [0, 0])
+    assert metrics["kl"] < 1e-3 and metrics["top1"] == 1.0, metrics
+    loader.n_tokens = N
+    assert _greedy(loader, prefix) == original["greedy"]
+
+
+# ---- prefix sharing on every store --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def contexts(gpl_tokens: list[int]) -> dict[str, Any]:
+    """A and B share 3 chunks of 64; D diverges from both inside chunk 4. With their states and the
+    logits after D evaluated as 192 + the rest tokens."""
+    other = _llama(n_ctx=64).tokenize(sample_text("gfdl-1.3.txt").encode(), add_bos=False)
+    a, b, d = gpl_tokens[:230], gpl_tokens[:192] + other[:100], gpl_tokens[:200] + other[100:150]
+    llm = _llama(n_ctx=512)
+    states = {}
+    for name, tokens in (("a", a), ("b", b)):
+        llm.reset()
+        llm.eval(tokens)
+        states[name] = capture_state(llm, None)
+    llm.reset()
+    llm.eval(d[:192])
+    llm.eval(d[192:])
+    return {"tokens": {"a": a, "b": b, "d": d}, "states": states, "d_row": llm.scores[len(d) - 1].copy()}
+
+
+@pytest.fixture(params=["file", "redis", "http"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "file":
+        yield tmp_path.as_uri()
+    elif request.param == "redis":
+        yield request.getfixturevalue("redis_url") + f"?prefix=chunks{os.getpid()}:"
+    else:
+        yield request.getfixturevalue("http_server")[0]
+
+
+def _manifest_url(store_url: str, name: str) -> str:
+    base, _, query = store_url.partition("?")
+    return f"{base}/{name}" + (f"?{query}" if query else "")
+
+
+def test_prefix_sharing_on_every_store(contexts: dict[str, Any], store_url: str) -> None:
+    tokens, states = contexts["tokens"], contexts["states"]
+    llm = _llama(n_ctx=512)
+    with stores.open_store(store_url) as store:
+        _set(llm, states["a"], tokens["a"])
+        saved_a = chunks.save_chunked(llm, _manifest_url(store_url, "ctx-a"), levels=LEVELS, chunk_tokens=64)
+        assert (saved_a.chunks, saved_a.objects_written, saved_a.objects_present) == (4, 4 * 2 + 2 + 1, 0)
+        _set(llm, states["b"], tokens["b"])
+        saved_b = chunks.save_chunked(llm, _manifest_url(store_url, "ctx-b"), levels=LEVELS, chunk_tokens=64)
+        # B's 3 shared chunks were not uploaded again: 4 + 2 distinct chunks per level
+        assert (saved_b.chunks, saved_b.objects_present, saved_b.objects_written) == (5, 3 * 2, 2 * 2 + 2 + 1)
+        assert len(_objects(store, "chunks")) == (4 + 2) * 2
+        assert len(_objects(store, "stats")) == 4 and len(_objects(store, "skeletons")) == 2
+
+        loaded = chunks.load_chunked(llm, _manifest_url(store_url, "ctx-a"))
+        assert loaded.tokens == 230 and capture_state(llm, None) == states["a"]
+
+        d = tokens["d"]
+        match = chunks.longest_prefix(store_url, llm, d, chunk_tokens=64)
+        assert (match.chunks, match.positions, match.levels) == (3, 192, [LEVELS] * 3)
+        assert match.keys == chunks.chain_keys(model_fingerprint(llm), tokens["a"], 64)[:3]
+        llm.reset()
+        loaded = chunks.load_prefix(llm, store_url, d, chunk_tokens=64)
+        assert loaded.tokens == 192 and llm.n_tokens == 192 and loaded.extra["levels"] == {"lossless": 3}
+        llm.eval(d[192:])
+        np.testing.assert_array_equal(llm.scores[len(d) - 1], contexts["d_row"])
+
+        # a save after the hit writes only D's new chunk: the loaded prefix is never re-encoded
+        shared = {key: store.get(key) for key in _objects(store, "chunks")}
+        saved_d = chunks.save_chunked(llm, _manifest_url(store_url, "ctx-d"), levels=LEVELS, chunk_tokens=64)
+        assert (saved_d.objects_present, saved_d.objects_written) == (3 * 2, 1 * 2 + 2 + 1)
+        assert all(store.get(key) == value for key, value in shared.items())
+        assert len(_objects(store, "chunks")) == (4 + 2 + 1) * 2
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved_small(contexts: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """Context A saved at C = 64 into a fresh directory, and a target context holding other tokens."""
+    writer = _llama(n_ctx=512)
+    _set(writer, contexts["states"]["a"], contexts["tokens"]["a"])
+    url = tmp_path / "ctx"
+    chunks.save_chunked(writer, url, levels=LEVELS, chunk_tokens=64)
+    target = _llama(n_ctx=512)
+    target.eval(target.tokenize(b"An unrelated context that must survive a failed load."))
+    store = stores.open_store(str(tmp_path))
+    return {
+        "url": url,
+        "store": store,
+        "manifest": chunks.read_manifest(url),
+        "target": target,
+        "writer": writer,
+    }
+
+
+def _refused(target: Llama, load: Any, exc: type[Exception], match: str | None = None) -> None:
+    before, n_tokens = capture_state(target, None), target.n_tokens
+    ids = target.input_ids[:n_tokens].copy()
+    with pytest.raises(exc, match=match):
+        load()
+    assert capture_state(target, None) == before and target.n_tokens == n_tokens
+    assert np.array_equal(target.input_ids[:n_tokens], ids)
+
+
+def test_bad_chunks_are_refused_and_leave_the_context(saved_small: dict[str, Any]) -> None:
+    store, manifest, target, url = (saved_small[k] for k in ("store", "manifest", "target", "url"))
+    key = [f"lcg2/chunks/{entry.key}/lossless" for entry in manifest.chunks]
+    good = store.get(key[2])
+    load = lambda: chunks.load_chunked(target, url)  # noqa: E731
+
+    store.put(key[2], store.get(key[1]))  # another chunk under this key
+    _refused(target, load, CorruptDataError, "holds another chunk")
+    store.put(key[2], good[: len(good) // 2])
+    _refused(target, load, TruncatedDataError)
+    flipped = bytearray(good)
+    flipped[len(flipped) * 3 // 4] ^= 0x10
+    store.put(key[2], bytes(flipped))
+    _refused(target, load, ChecksumError)
+
+    # a chunk that is right in every way but names another model's fingerprint
+    meta = chunks.ChunkMeta.unpack(codec.user_meta(good))
+    meta.fingerprint_key = "0" * 16
+    state = capture_state(saved_small["writer"], None)
+    chunker = codec.Chunker(state, "lossless", kind="full_buffer")
+    store.put(key[2], chunker.chunk(meta.begin, meta.end, bytes.fromhex(meta.stats_id), meta.pack()))
+    _refused(target, load, ModelMismatchError, "another model")
+    store.put(key[2], good)
+
+    stats_key = f"lcg2/stats/{meta.stats_id}"
+    stats = store.get(stats_key)
+    store.put(stats_key, store.get(f"lcg2/stats/{manifest.stats['balanced']}"))
+    _refused(target, load, CorruptDataError, "does not hash to its id")
+    store.put(stats_key, stats)
+
+    chunks.load_chunked(target, url)  # all repaired: it loads, and the context works
+    assert target.n_tokens == 230 and _greedy(target, target.input_ids[:230].tolist())
+
+
+def test_bad_manifests_are_refused(saved_small: dict[str, Any]) -> None:
+    store, target, url = saved_small["store"], saved_small["target"], saved_small["url"]
+    good = store.get("ctx")
+    load = lambda: chunks.load_chunked(target, url)  # noqa: E731
+    overrun = b"LCGM\x01\x00\x00\x00\xff\xff\xff\xff"
+    for bad in (good[:100], overrun, good[:-4], good.replace(b'"chunk_tokens":64', b'"chunk_tokens":65')):
+        store.put("ctx", bad)
+        _refused(target, load, CorruptDataError)
+    store.put("ctx", b"LCGM\x02" + good[5:])
+    _refused(target, load, UnsupportedVersionError)
+    tokens = saved_small["manifest"].meta.tokens.copy()
+    tokens[100] += 1  # keys no longer recompute from the tokens
+    forged = saved_small["manifest"]
+    forged.meta.tokens = tokens
+    store.put("ctx", forged.pack())
+    _refused(target, load, CorruptDataError, "do not recompute")
+    store.put("ctx", good)
+
+
+def test_a_bad_tag_is_refused_when_a_key_is_set(
+    contexts: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(stores.KEY_ENV, "the right key")
+    writer = _llama(n_ctx=512)
+    _set(writer, contexts["states"]["a"], contexts["tokens"]["a"])
+    url = tmp_path / "ctx"
+    chunks.save_chunked(writer, url, levels=("lossless",), chunk_tokens=64)
+    key = f"lcg2/chunks/{chunks.read_manifest(url).chunks[1].key}/lossless"
+    with stores.open_store(str(tmp_path), auth_key="another key") as other:
+        other.put(key, stores.open_store(str(tmp_path)).get(key))
+    target = _llama(n_ctx=512)
+    target.eval(target.tokenize(b"Survives."))
+    _refused(target, lambda: chunks.load_chunked(target, url), AuthenticationError)
+    tokens = contexts["tokens"]["a"]
+    _refused(
+        target, lambda: chunks.load_prefix(target, tmp_path, tokens, chunk_tokens=64), AuthenticationError
+    )
+
+
+# ---- fallback and arguments ---------------------------------------------------------------------
+
+
+def test_a_state_of_two_sequences_is_saved_whole(gpl_tokens: list[int], tmp_path: Path) -> None:
+    llm = _llama(n_ctx=512, n_seq_max=2)
+    llm.eval(gpl_tokens[:40])
+    seq1 = capture_state(llm, 0)
+    llm.reset()
+    llm.eval(gpl_tokens[100:170])
+    assert restore_state(llm, seq1, 1)  # sequence 1: other tokens at the same positions
+    state = capture_state(llm, None)
+    report = chunks.save_chunked(llm, tmp_path / "two", levels=LEVELS, chunk_tokens=64)
+    assert report.fallback and report.chunk_tokens is None and report.chunks == 0
+    assert report.objects_written == 2 and sorted(report.level_bytes) == sorted(LEVELS)
+    manifest = chunks.read_manifest(tmp_path / "two")
+    assert manifest.levels == LEVELS and not manifest.chunks
+    other = _llama(n_ctx=512, n_seq_max=2)
+    loaded = chunks.load_chunked(other, tmp_path / "two")
+    assert loaded.extra["levels"] == {"lossless": 1} and other.n_tokens == 70
+    assert capture_state(other, None) == state
+
+
+def test_keys_chain_over_tokens_and_chunk_size(loader: Llama) -> None:
+    fp = model_fingerprint(loader)
+    keys = chunks.chain_keys(fp, list(range(200)), 64)
+    assert len(keys) == 4 and chunks.chain_keys(fp, list(range(150)), 64)[:2] == keys[:2]
+    assert chunks.chain_keys(fp, list(range(150)), 64)[2] != keys[2]  # a partial chunk keys only its tokens
+    assert chunks.chain_keys(fp, list(range(200)), 32)[0] != keys[0]
+    assert chunks.chain_keys({**fp, "type_k": "q8_0"}, list(range(200)), 64)[0] != keys[0]
+    for bad in (8, 5000, 64.0):
+        with pytest.raises(InvalidArgumentError):
+            chunks.chain_keys(fp, [1, 2], bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        chunks.save_chunked(loader, "/tmp/unused", levels=("best",))
