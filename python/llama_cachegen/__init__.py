@@ -1,7 +1,8 @@
 """llama-cachegen: CacheGen-style compression and streaming of llama.cpp context state."""
 
-from .codec import decode, decoded_size, encode, inspect, inspect_state, user_meta, version
+from .codec import decode, decode_into, decoded_size, encode, inspect, inspect_state, user_meta, version
 from .errors import (
+    AuthenticationError,
     CacheGenError,
     ChecksumError,
     CorruptDataError,
@@ -17,9 +18,10 @@ from .errors import (
     UnsupportedVersionError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "AuthenticationError",
     "CacheGenError",
     "ChecksumError",
     "CorruptDataError",
@@ -34,6 +36,7 @@ __all__ = [
     "UnsupportedFormatError",
     "UnsupportedVersionError",
     "decode",
+    "decode_into",
     "decoded_size",
     "encode",
     "inspect",
