@@ -2,7 +2,8 @@
 subprocess (a crash fails the test instead of killing pytest). Only CacheGenError may come out.
 20,000 mutants by default (FUZZ_MUTANTS), about a second on these small states.
 
-The containers are encoded here from synthetic states (conftest.py), so the mutants follow
+The containers (whole, and chunked: skeletons, statistics, chunks decoded into their place) are
+encoded here from synthetic states (conftest.py), so the mutants follow
 whatever container format the native library writes. A longer campaign: run this file's script
 by hand with a larger FUZZ_MUTANTS and other FUZZ_SEED values (under ASan/UBSan builds too).
 """
@@ -44,6 +45,29 @@ for level in ("lossless", "balanced", "compact"):
     mem = kv_cache_bytes(np_rng, n_layer=2, n_embd=64, cells_per_stream=(48,), ext=True)  # many lanes
     seeds.append(lcg.encode(seq_buffer(mem), level))
 envelopes = [envelope(n) for n in (0, 1, 7)]
+
+# chunked objects: (skeleton, stats, stats id, chunks, positions) of a few states
+import hashlib
+families = []
+for level, v_trans in (("lossless", False), ("balanced", True), ("compact", False)):
+    state = seq_buffer(kv_cache_bytes(np_rng, n_layer=2, n_embd=24, cells_per_stream=(20,), v_trans=v_trans))
+    chunker = codec.Chunker(state, level)
+    stats = chunker.stats()
+    sid = hashlib.sha256(stats).digest()
+    chunks = [chunker.chunk(b, min(b + 8, 20), sid) for b in range(0, 20, 8)]
+    families.append((codec.encode_skeleton(state), stats, sid, chunks))
+seeds += [obj for skel, stats, _, chunks in families for obj in (skel, stats, *chunks)]
+
+def chunk_targets():  # a mutated chunk, statistics object or skeleton, the rest of its family intact
+    skel, stats, sid, chunks = rng.choice(families)
+    chunk = rng.choice(chunks)
+    which = rng.choice(("chunk", "chunk", "stats", "skeleton"))
+    op, mutant = mutate({"chunk": chunk, "stats": stats, "skeleton": skel}[which])
+    def decode_chunk(_):
+        state = codec.skeleton_state(mutant if which == "skeleton" else skel, 20)
+        stats_in = mutant if which == "stats" else stats
+        codec.decode_chunk(mutant if which == "chunk" else chunk, stats_in, sid, state)
+    return op, mutant, {f"decode_{which}": decode_chunk}
 
 INTERESTING = [0, 1, 2, 0x7F, 0xFF, 0x7FFF, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 1 << 40, 2**64 - 1]
 
@@ -91,6 +115,8 @@ for i in range(n_mutants):
     if i % 4 == 3:  # an envelope, straight to its parser
         op, mutant = mutate(rng.choice(envelopes))
         targets = {"envelope_bytes": StateMeta.unpack}
+    elif i % 4 == 2:
+        op, mutant, targets = chunk_targets()
     else:
         op, mutant = mutate(rng.choice(seeds))
         for _ in range(rng.choice((0, 0, 1, 2))):  # stacked mutations
@@ -123,7 +149,8 @@ def test_mutants_raise_only_cachegen_errors(tmp_path: Path) -> None:
     assert report["n_failures"] == 0, json.dumps(report["failures"], indent=1)
     counts = report["counts"]
     # the mutants reached every parser, and some were refused by each
-    for target in ("decode", "inspect", "user_meta", "envelope", "envelope_bytes"):
+    chunked = ("decode_chunk", "decode_stats", "decode_skeleton")
+    for target in ("decode", "inspect", "user_meta", "envelope", "envelope_bytes", *chunked):
         assert (
             sum(n for k, n in counts.items() if k.startswith(f"{target}:") and not k.endswith("accepted")) > 0
         )
