@@ -362,3 +362,34 @@ def test_keys_chain_over_tokens_and_chunk_size(loader: Llama) -> None:
             chunks.chain_keys(fp, [1, 2], bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         chunks.save_chunked(loader, "/tmp/unused", levels=("best",))
+
+
+def test_llama_methods_save_in_chunks_and_load_either_format(
+    contexts: dict[str, Any], tmp_path: Path
+) -> None:
+    import llama_cachegen
+
+    assert (
+        llama_cachegen.save_chunked is chunks.save_chunked
+        and llama_cachegen.load_prefix is chunks.load_prefix
+    )
+    writer = _llama(n_ctx=512)
+    _set(writer, contexts["states"]["a"], contexts["tokens"]["a"])
+    assert writer.save_compressed_state(
+        tmp_path / "ctx", levels=("lossless", "compact"), chunk_tokens=64
+    ) == str(tmp_path / "ctx")
+    writer.save_compressed_state(tmp_path / "whole.lcg", level="lossless")
+    assert chunks.is_manifest((tmp_path / "ctx").read_bytes())
+    assert (tmp_path / "whole.lcg").read_bytes()[:4] == b"LCGC"
+    llm = _llama(n_ctx=512)
+    report = llm.load_compressed_state(tmp_path / "ctx")
+    assert report.extra["levels"] == {"lossless": 4} and capture_state(llm, None) == contexts["states"]["a"]
+    assert llm.load_compressed_state((tmp_path / "ctx").as_uri(), level="compact").extra["levels"] == {
+        "compact": 4
+    }
+    report = llama_cachegen.load_compressed_state(llm, (tmp_path / "whole.lcg").as_uri())
+    assert report.tokens == 230 and capture_state(llm, None) == contexts["states"]["a"]
+    with pytest.raises(InvalidArgumentError, match="from its URL"):
+        llm.load_compressed_state((tmp_path / "ctx").read_bytes())
+    with pytest.raises(InvalidArgumentError, match="levels="):
+        writer.save_compressed_state(tmp_path / "x", levels=("high",), level="high")

@@ -52,6 +52,11 @@ _LAZY = {
     "LoadReport": "llama",
     "load_compressed_state": "llama",
     "save_compressed_state": "llama",
+    "load_chunked": "chunks",
+    "load_prefix": "chunks",
+    "longest_prefix": "chunks",
+    "read_manifest": "chunks",
+    "save_chunked": "chunks",
     "CompressedStateCache": "cache",
     "open_store": "stores",
 }

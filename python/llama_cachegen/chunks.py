@@ -25,7 +25,7 @@ import re
 import struct
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -568,7 +568,6 @@ def _save_chunks(
 
 @dataclass
 class _Fetched:
-    index: int
     level: str
     chunk: bytes
     meta: ChunkMeta
@@ -619,7 +618,7 @@ class _ChunkReader:
                 self._stats[meta.stats_id] = self.get_verified(
                     _stats_key(meta.stats_id), meta.stats_id, "statistics"
                 )
-            return _Fetched(i, level, chunk, meta, self._stats[meta.stats_id], time.perf_counter() - start)
+            return _Fetched(level, chunk, meta, self._stats[meta.stats_id], time.perf_counter() - start)
         raise EntryNotFoundError(
             f"chunk {i} ({self.keys[i]}) is stored at none of the levels {', '.join(self.candidates[i])}"
         )
@@ -667,29 +666,24 @@ def _assemble(
     order = list(range(n_chunks))
     first: _Fetched | None = None
     if skeleton_id is None:
-        first = reader.fetch(n_chunks - 1)
-        skeleton_id = first.meta.skeleton_id
         order = [n_chunks - 1, *range(n_chunks - 1)]
+        first = reader.fetch(order[0])
+        skeleton_id = first.meta.skeleton_id
     skeleton = reader.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton")
     n_pos = len(reader.tokens)
     state = codec.skeleton_state(skeleton, n_pos, max_size=_state_bound(reader.fingerprint, n_pos, skeleton))
     levels: dict[str, int] = {}
     fetch_s = decode_s = 0.0
     with ThreadPoolExecutor(1, thread_name_prefix="lcg-fetch") as pool:
-        pending: deque[Future[_Fetched]] = deque()
-        ahead: Iterator[int] = iter(order[1:] if first else order)
-
-        def submit_next() -> None:
-            i = next(ahead, None)
-            if i is not None:
-                pending.append(pool.submit(reader.fetch, i))
-
-        submit_next()
+        upcoming = None if first else pool.submit(reader.fetch, order[0])
         try:
-            for _ in order:
-                got = first if first is not None else pending.popleft().result()
-                first = None
-                submit_next()
+            for k in range(n_chunks):
+                if first is not None:
+                    got, first = first, None
+                else:
+                    assert upcoming is not None
+                    got = upcoming.result()
+                upcoming = pool.submit(reader.fetch, order[k + 1]) if k + 1 < n_chunks else None
                 start = time.perf_counter()
                 codec.decode_chunk(
                     got.chunk, got.stats, bytes.fromhex(got.meta.stats_id), state, threads=threads
@@ -698,8 +692,8 @@ def _assemble(
                 fetch_s += got.fetch_s
                 levels[got.level] = levels.get(got.level, 0) + 1
         finally:
-            for future in pending:
-                future.cancel()
+            if upcoming is not None:
+                upcoming.cancel()
     return state, skeleton, {"levels": levels, "fetch_s": fetch_s, "decode_s": decode_s}
 
 

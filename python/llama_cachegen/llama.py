@@ -352,6 +352,12 @@ def load_compressed_state(
     """
     t0 = time.perf_counter()
     blob = bytes(src) if isinstance(src, (bytes, bytearray, memoryview)) else read_url(src)
+    from .chunks import is_manifest, load_chunked  # here: chunks imports this module
+
+    if is_manifest(blob):  # a chunked context: the manifest's objects sit beside it in its store
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError("a chunked context loads from its URL, not from its manifest's bytes")
+        return load_chunked(llm, src, seq_id=seq_id, threads=threads, manifest=blob)
     t1 = time.perf_counter()
     meta = StateMeta.unpack(codec.user_meta(blob))
     check_fingerprint(meta.fingerprint, model_fingerprint(llm))
@@ -448,17 +454,43 @@ class Llama(llama_cpp.Llama):
         self,
         dest: str | Path | None = None,
         *,
-        level: str | int = "balanced",
+        levels: Sequence[str] | None = None,
+        chunk_tokens: int | None = 256,
+        level: str | int | None = None,
         seq_id: int | None = None,
         tokens: Sequence[int] | None = None,
     ) -> str | bytes:
-        """See `llama_cachegen.save_compressed_state`."""
-        return save_compressed_state(self, dest, level=level, seq_id=seq_id, tokens=tokens)
+        """Saves in chunks under the manifest URL `dest` (see `llama_cachegen.save_chunked`;
+        `levels` default high, balanced, compact). With `level`, `chunk_tokens=None` or no `dest`:
+        one whole container at `level` (default balanced; see `llama_cachegen.save_compressed_state`,
+        no `dest` returns its bytes). Returns where the state went."""
+        if dest is None or level is not None or chunk_tokens is None:
+            if levels is not None:
+                raise InvalidArgumentError("levels= saves in chunks: pass a dest, and no level=")
+            whole = "balanced" if level is None else level
+            return save_compressed_state(self, dest, level=whole, seq_id=seq_id, tokens=tokens)
+        from .chunks import DEFAULT_LEVELS, save_chunked
+
+        chosen = DEFAULT_LEVELS if levels is None else levels
+        save_chunked(self, dest, levels=chosen, chunk_tokens=chunk_tokens, seq_id=seq_id, tokens=tokens)
+        return str(dest)
 
     def load_compressed_state(
-        self, src: str | Path | bytes | bytearray | memoryview, *, seq_id: int | None = None
+        self,
+        src: str | Path | bytes | bytearray | memoryview,
+        *,
+        seq_id: int | None = None,
+        level: str | None = None,
     ) -> LoadReport:
-        """See `llama_cachegen.load_compressed_state`."""
+        """A chunked context (manifest) or a whole container, told apart by their magic; see
+        `llama_cachegen.load_chunked` and `llama_cachegen.load_compressed_state`. `level` picks
+        one level of a chunked context (default: the best stored per chunk)."""
+        if level is not None:
+            from .chunks import load_chunked
+
+            if isinstance(src, (bytes, bytearray, memoryview)):
+                raise InvalidArgumentError("level= applies to chunked contexts, which load from a URL")
+            return load_chunked(self, src, level=level, seq_id=seq_id)
         return load_compressed_state(self, src, seq_id=seq_id)
 
     def load_state(self, state: llama_cpp.llama.LlamaState) -> None:
