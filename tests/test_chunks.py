@@ -393,3 +393,20 @@ def test_llama_methods_save_in_chunks_and_load_either_format(
         llm.load_compressed_state((tmp_path / "ctx").read_bytes())
     with pytest.raises(InvalidArgumentError, match="levels="):
         writer.save_compressed_state(tmp_path / "x", levels=("high",), level="high")
+
+
+def test_a_sequence_save_loads_its_prefix_into_another_sequence(
+    contexts: dict[str, Any], tmp_path: Path
+) -> None:
+    writer = _llama(n_ctx=512)
+    _set(writer, contexts["states"]["a"], contexts["tokens"]["a"])
+    chunks.save_chunked(writer, tmp_path / "seq", levels=("lossless",), chunk_tokens=64, seq_id=0)
+    assert chunks.read_manifest(tmp_path / "seq").meta.scope == "seq"
+    llm = _llama(n_ctx=512, n_seq_max=2)
+    llm.eval(contexts["tokens"]["b"][:20])
+    seq0 = capture_state(llm, 0)
+    report = chunks.load_prefix(llm, tmp_path, contexts["tokens"]["a"][:200], chunk_tokens=64, seq_id=1)
+    assert (report.seq_id, report.tokens, report.cells, llm.n_tokens) == (1, 0, 192, 20)
+    assert capture_state(llm, 0) == seq0 and codec.inspect_state(capture_state(llm, 1))["cells"] == 192
+    chunks.save_chunked(writer, tmp_path / "all", levels=("lossless",), chunk_tokens=64)
+    _refused(llm, lambda: chunks.load_chunked(llm, tmp_path / "all", seq_id=1), InvalidArgumentError, "whole")
