@@ -1,4 +1,4 @@
-"""`llama-cachegen`: demo, compress, decompress, inspect, eval, serve."""
+"""`llama-cachegen`: demo, compress, decompress, inspect, eval, serve, llama-server, proxy."""
 
 from __future__ import annotations
 
@@ -397,6 +397,29 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- llama-server / proxy ---------------------------------------------------------------------
+
+
+def _llama_server(argv: list[str]) -> int:
+    """Runs the llama-server built from llama-cpp-python's llama.cpp (built once if missing) with
+    `argv` as its arguments, untouched (so `llama-cachegen llama-server --help` is the server's)."""
+    from .server import llama_server_path
+
+    try:
+        path = llama_server_path(build=True)
+    except CacheGenError as exc:
+        print(f"llama-cachegen llama-server: error: {_message(exc)}", file=sys.stderr)
+        return 1
+    os.execv(path, [str(path), *argv])
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    from .proxy import run_proxy
+
+    run_proxy(args)
+    return 0
+
+
 # --- arguments -------------------------------------------------------------------------------
 
 
@@ -521,6 +544,44 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--verbose", action="store_true", help="log every request")
     p.set_defaults(func=_serve)
+
+    # parsed in main (argparse would take the server's options for its own): listed for --help
+    p = sub.add_parser(
+        "llama-server",
+        help="run llama-server built from llama-cpp-python's llama.cpp (built once); ARGS go to it",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="llama-server arguments")
+
+    p = sub.add_parser(
+        "proxy", help="a proxy before one llama-server that shares context prefixes through a store"
+    )
+    p.add_argument("--server", required=True, help="the llama-server's URL, e.g. http://127.0.0.1:8081")
+    p.add_argument("--slot-dir", required=True, help="the server's --slot-save-path (on this machine)")
+    p.add_argument("--store", required=True, help="store URL all proxies share (redis://, http://, a dir)")
+    p.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (default: %(default)s)")
+    p.add_argument(
+        "--levels", nargs="+", choices=levels, default=["high", "balanced"], help="levels uploaded"
+    )
+    p.add_argument("--load-level", choices=levels, help="always load this level (default: by --slo)")
+    p.add_argument("--slo", type=_SECONDS, help="seconds a prefix load may take (default: no limit)")
+    p.add_argument("--chunk-tokens", type=_COUNT, default=256, help="tokens per chunk (default: %(default)s)")
+    p.add_argument(
+        "--token-file",
+        help="bearer token clients must send (default: $LLAMA_CACHEGEN_TOKEN; without one, only a "
+        "loopback --listen is accepted)",
+    )
+    p.add_argument("--server-key-file", help="the llama-server's --api-key, for the proxy's own calls")
+    p.add_argument("--model", help="the GGUF the server loaded (default: its /props model_path)")
+    p.add_argument("--cache-type-k", default="f16", help="the server's -ctk (default: %(default)s)")
+    p.add_argument("--cache-type-v", default="f16", help="the server's -ctv (default: %(default)s)")
+    p.add_argument(
+        "--flash-attn", choices=["auto", "on", "off"], default="auto", help="the server's -fa (default: auto)"
+    )
+    p.add_argument("--swa-full", action="store_true", help="the server runs with --swa-full")
+    _threads_arg(p)
+    p.add_argument("--verbose", action="store_true", help="log every request")
+    p.set_defaults(func=_proxy)
     return parser
 
 
@@ -532,6 +593,8 @@ def _message(exc: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["llama-server"]:
+        return _llama_server(argv[1:])
     parser = _worker_parser() if argv[:1] == ["_demo-worker"] else _parser()
     args = parser.parse_args(argv[1:] if argv[:1] == ["_demo-worker"] else argv)
     try:

@@ -1,0 +1,899 @@
+"""A proxy before one llama-server that shares context prefixes with other servers through a store.
+
+    client ─▶ proxy ─▶ llama-server (--slot-save-path DIR)          one proxy per server;
+                 │                                                    every proxy uses one store
+                 └──▶ store: chunks of K/V under chained token hashes (chunks.py)
+
+Every request goes through unchanged (OpenAI-compatible and native endpoints, SSE streams chunk by
+chunk). A completion request (`/completion`, `/completions`, `/v1/completions`, `/chat/completions`,
+`/v1/chat/completions`) is first tokenized by the server (chat messages through its
+`/apply-template`, then `/tokenize` as the completion handler tokenizes), and a slot is chosen
+(the idle one that already holds the longest part of the prompt). When the store holds a longer
+prefix of the prompt than that slot, the proxy fetches and decodes its chunks into one sequence
+state, writes it into DIR as a llama.cpp sequence file and asks the server to restore it
+(`POST /slots/{id}?action=restore`); the request then goes to that slot with `cache_prompt` on, so
+the server computes only the rest. After the response, in the background, the proxy saves the slot
+(`action=save`), reads the file and uploads the chunks the store lacks.
+
+A prefix whose load would not beat the slot, a store that is down, a chunk that fails verification
+or a restore the server refuses: the request goes on as if there were no proxy, with a warning. The
+server matches the restored tokens against the prompt itself, so a wrong guess costs time, never
+a wrong answer.
+
+Fingerprint (chunks are keyed by it): the model from the GGUF the server loaded (`/props`
+model_path: architecture, sizes and llama.py's model hash), the KV stream count read from a slot
+save at start-up, the llama.cpp build from `/props` build_info; what /props does not tell (K/V
+types, flash attention, --swa-full) comes from the proxy's own options, which must mirror the
+server's. A mismatch there is caught by llama.cpp on restore (a refused restore is a miss), never
+served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import struct
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from . import chunks, codec, stores
+from .errors import CacheGenError, CorruptDataError, InvalidArgumentError
+from .llama import FINGERPRINT_FIELDS, StateMeta, _model_hash
+from .stores.http import TOKEN_ENV, bearer_ok, is_loopback, load_token
+
+log = logging.getLogger("llama_cachegen.proxy")
+
+# docs/llama-state.md: a sequence buffer starts with IO_MAGIC and a seq id, a sequence file
+# ('ggsq' v3) with its header and tokens; both go on with the same MEMORY bytes.
+IO_MAGIC = 0xAF143CD8
+GGSQ_MAGIC, GGSQ_VERSION = 0x67677371, 3
+_GGSQ_HEAD = struct.Struct("<III")
+_SEQ_HEAD = struct.Struct("<Ii")
+# llama-server writes its slot's tokens packed (tools/server/server-common.cpp, server_tokens::
+# serialize): -1, version 1, u32 n, n tokens, u32 media count, media. It reads a plain list too.
+_PACKED_MARKER, _PACKED_VERSION = -1, 1
+
+COMPLETION_PATHS = frozenset({"/completion", "/completions", "/v1/completions"})
+CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions"})
+STATS_PATH = "/llama-cachegen/stats"
+RESTORED_HEADER = "X-Llama-Cachegen-Restored"  # prompt tokens restored from the store
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+_TAIL_BYTES = 1 << 16  # the end of a response, where llama-server puts its timings
+_STORE_BACKOFF_S = 10.0  # after a store error, requests skip the store for this long
+_START_WAIT_S = 120.0  # how long start-up waits for the server to answer /props
+_MAX_PENDING_UPLOADS = 2  # saved slots waiting for the uploader (each holds a state in memory)
+# bytes per token per level, relative to the f16 state, until the proxy has measured its own
+_GUESS_RATIO = {"lossless": 0.8, "high": 0.3, "balanced": 0.22, "compact": 0.15}
+
+
+# ---- slot files ---------------------------------------------------------------------------------
+
+
+def read_slot_file(data: bytes) -> tuple[np.ndarray, int]:
+    """(tokens, offset of MEMORY) of a llama.cpp sequence file as llama-server saves a slot: the
+    token list plain or packed by llama-server. CorruptDataError on anything else (media tokens
+    included: their K/V is not a function of token ids)."""
+    if len(data) < _GGSQ_HEAD.size:
+        raise CorruptDataError("slot file shorter than its header")
+    magic, version, n = _GGSQ_HEAD.unpack_from(data)
+    if magic != GGSQ_MAGIC or version != GGSQ_VERSION:
+        raise CorruptDataError(
+            f"not a 'ggsq' v{GGSQ_VERSION} slot file (magic {magic:#x}, version {version})"
+        )
+    offset = _GGSQ_HEAD.size + 4 * n
+    if offset > len(data):
+        raise CorruptDataError(f"slot file declares {n} token words, beyond its size")
+    packed = np.frombuffer(data, dtype="<i4", count=n, offset=_GGSQ_HEAD.size)
+    if n and packed[0] == _PACKED_MARKER:
+        if n < 4 or packed[1] != _PACKED_VERSION or not 0 <= packed[2] <= n - 4:
+            raise CorruptDataError("unreadable packed token list in the slot file")
+        count = int(packed[2])
+        if packed[3 + count] != 0 or n != count + 4:
+            raise CorruptDataError("the slot holds media tokens: not shareable")
+        return packed[3 : 3 + count].astype(np.intc), offset
+    return packed.astype(np.intc), offset
+
+
+def slot_file_to_seq_buffer(data: bytes) -> tuple[np.ndarray, bytes]:
+    """(tokens, the same state as a sequence buffer of seq 0), the layout llama-cpp-python's
+    sequence saves use, so that chunks and skeletons are cut from one kind of state."""
+    tokens, offset = read_slot_file(data)
+    return tokens, _SEQ_HEAD.pack(IO_MAGIC, 0) + data[offset:]
+
+
+def seq_buffer_to_slot_file(state: bytes | bytearray, tokens: np.ndarray) -> bytes:
+    """A sequence file for `action=restore`: plain token list, then the buffer's MEMORY."""
+    if len(state) < _SEQ_HEAD.size or _SEQ_HEAD.unpack_from(state)[0] != IO_MAGIC:
+        raise CorruptDataError("the assembled state is not a sequence buffer")
+    toks = np.ascontiguousarray(tokens, dtype="<i4")
+    return (
+        _GGSQ_HEAD.pack(GGSQ_MAGIC, GGSQ_VERSION, toks.size)
+        + toks.tobytes()
+        + memoryview(state)[_SEQ_HEAD.size :]
+    )
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(a.size, b.size)
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+# ---- fingerprint --------------------------------------------------------------------------------
+
+_FLASH_ATTN = {"auto": "auto", "on": "enabled", "off": "disabled"}
+
+
+def server_fingerprint(
+    props: dict[str, Any],
+    model_path: str | Path,
+    n_stream: int,
+    *,
+    type_k: str = "f16",
+    type_v: str = "f16",
+    flash_attn: str = "auto",
+    swa_full: bool = False,
+) -> dict[str, Any]:
+    """The fingerprint (llama.FINGERPRINT_FIELDS) of a llama-server's slots.
+
+    The model fields are read from the GGUF with llama.cpp itself (memory-mapped, no weights
+    copied), so `model_hash` is the one llama-cpp-python computes for the same file. llama-cpp-
+    python's `state_format` names its own release, the server's names its build: the two never
+    share chunks, though both may run one llama.cpp (docs: what differs)."""
+    import llama_cpp
+    from llama_cpp import _internals
+
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = 0
+    params.use_extra_bufts = False  # no repacked copies of the weights: nothing is read but the hash
+    path = os.fspath(model_path)
+    model = _internals.LlamaModel(path_model=path, params=params, verbose=False)
+    try:
+        holder = _ModelView(path, model.metadata(), model.model)
+        has_swa = llama_cpp.llama_model_n_swa(model.model) > 0
+        fingerprint = {
+            "arch": str(holder.metadata.get("general.architecture", "")),
+            "n_layer": llama_cpp.llama_model_n_layer(model.model),
+            "n_head": llama_cpp.llama_model_n_head(model.model),
+            "n_head_kv": llama_cpp.llama_model_n_head_kv(model.model),
+            "n_embd": llama_cpp.llama_model_n_embd(model.model),
+            "n_vocab": model.n_vocab(),
+            "type_k": type_k,
+            "type_v": type_v,
+            "flash_attn": _FLASH_ATTN.get(flash_attn, flash_attn),
+            "n_stream": n_stream,
+            "swa_full": bool(swa_full) if has_swa else None,
+            "model_hash": _model_hash(holder),  # type: ignore[arg-type]
+            "state_format": f"llama-server {props.get('build_info', '?')}, seq file v{GGSQ_VERSION}",
+        }
+    finally:
+        model.close()
+    assert set(fingerprint) == set(FINGERPRINT_FIELDS)
+    return fingerprint
+
+
+@dataclass
+class _ModelView:
+    """What llama._model_hash reads of a Llama: the file, its metadata, the llama.cpp model."""
+
+    model_path: str
+    metadata: dict[str, str]
+    model: Any
+
+
+# ---- prefix loader and uploader (blocking; run in worker threads) -------------------------------
+
+
+@dataclass
+class Loaded:
+    """A prefix assembled from the store, ready to restore."""
+
+    slot_file: bytes | None  # None: nothing stored beats what the slot holds
+    positions: int
+    chunks: int  # chunks of the prompt the store holds
+    bytes_read: int = 0
+    levels: dict[str, int] = field(default_factory=dict)
+    ms: float = 0.0
+
+
+class Sharing:
+    """The proxy's store side: finds, fetches and assembles prefixes; uploads saved slots.
+
+    Blocking calls, safe from several threads (one store connection per thread). The chunk
+    format, key chain and verification are chunks.py's; this class only adds the llama-server
+    side (sequence files, a fingerprint without a llama-cpp-python context) and level choice.
+    """
+
+    def __init__(
+        self,
+        store_url: str,
+        fingerprint: dict[str, Any],
+        n_ctx: int,
+        *,
+        levels: tuple[str, ...] = ("high", "balanced"),
+        load_level: str | None = None,
+        slo: float | None = None,
+        chunk_tokens: int = chunks.DEFAULT_CHUNK_TOKENS,
+        threads: int | None = None,
+    ) -> None:
+        self.store_url, self.fingerprint, self.n_ctx = store_url, fingerprint, n_ctx
+        self.levels = chunks._check_levels(levels)
+        self.load_level = load_level
+        self.slo = slo
+        self.chunk_tokens = chunks._check_chunk_tokens(chunk_tokens)
+        self.threads = threads
+        self._local = threading.local()
+        self._mutex = threading.Lock()
+        # measured: store throughput (bytes/s) and bytes per token per level (EWMAs)
+        self.throughput: float | None = None
+        self.bytes_per_token: dict[str, float] = {}
+        self.f16_bytes_per_token = 4.0 * int(fingerprint["n_layer"]) * int(fingerprint["n_embd"])
+        self.compute_tps: float | None = None  # the server's prompt tokens per second
+
+    def _store(self) -> stores.Store:
+        store = getattr(self._local, "store", None)
+        if store is None:
+            store = self._local.store = stores.open_store(self.store_url)
+        return store
+
+    def close(self) -> None:
+        """Closes this thread's store (worker threads' stores close with their pools)."""
+        store = getattr(self._local, "store", None)
+        if store is not None:
+            store.close()
+
+    def _learn(self, name: str, value: float, weight: float = 0.3) -> None:
+        with self._mutex:
+            old = getattr(self, name)
+            setattr(self, name, value if old is None else (1 - weight) * old + weight * value)
+
+    def learn_compute(self, tokens_per_s: float) -> None:
+        if tokens_per_s > 0:
+            self._learn("compute_tps", tokens_per_s)
+
+    def _learn_level(self, level: str, per_token: float) -> None:
+        with self._mutex:
+            old = self.bytes_per_token.get(level)
+            self.bytes_per_token[level] = per_token if old is None else 0.7 * old + 0.3 * per_token
+
+    def _estimate_s(self, level: str, positions: int) -> float:
+        """Seconds to fetch `positions` tokens at `level` (0 until a throughput is measured)."""
+        if not self.throughput:
+            return 0.0
+        per_token = self.bytes_per_token.get(level, _GUESS_RATIO[level] * self.f16_bytes_per_token)
+        return per_token * positions / self.throughput
+
+    def choose_level(self, stored: list[tuple[str, ...]], positions: int) -> str | None:
+        """The level to load (None: don't load): `load_level`, else the best level every matched
+        chunk has whose estimated fetch fits the SLO (the smallest when none does); None when
+        even that is estimated slower than the server recomputing the prefix."""
+        common = [lv for lv in chunks.PREFERENCE if all(lv in s for s in stored)]
+        if self.load_level is not None:
+            return self.load_level if self.load_level in common else None
+        if not common:
+            return None
+        choice = common[-1]
+        for level in common:
+            if self.slo is None or self._estimate_s(level, positions) <= 0.8 * self.slo:
+                choice = level
+                break
+        if self.compute_tps and self._estimate_s(choice, positions) > positions / self.compute_tps:
+            return None  # CacheGen's text fallback, for the whole prefix
+        return choice
+
+    def load(self, tokens: np.ndarray, held: int) -> Loaded:
+        """The longest stored prefix of `tokens`, as a slot file, if it is longer than `held`."""
+        start = time.perf_counter()
+        store = self._store()
+        limit = min(int(tokens.size), self.n_ctx)
+        match = chunks._match(store, self.fingerprint, tokens[:limit], self.chunk_tokens)
+        if match.positions <= held:
+            return Loaded(None, match.positions, match.chunks)
+        level = self.choose_level(match.levels, match.positions)
+        if level is None:
+            return Loaded(None, match.positions, match.chunks)
+        # this level first; a chunk evicted since the lookup falls back to the others it has
+        candidates = [(level, *(lv for lv in lvs if lv != level)) for lvs in match.levels]
+        prefix = np.ascontiguousarray(tokens[: match.positions], dtype=np.intc)
+        reader = chunks._ChunkReader(
+            store, self.fingerprint, prefix, self.chunk_tokens, match.keys, candidates
+        )
+        state, skeleton, figures = chunks._assemble(reader, None, self.threads)
+        if codec.inspect(skeleton)["kind"] != "seq_buffer":
+            raise CorruptDataError("the prefix's skeleton is not a sequence state (saved by another tool)")
+        if figures["fetch_s"] > 0:
+            self._learn("throughput", reader.bytes_read / figures["fetch_s"])
+        for lv, n in figures["levels"].items():
+            if n == len(match.keys):
+                self._learn_level(lv, reader.bytes_read / match.positions)
+        slot_file = seq_buffer_to_slot_file(state, prefix)
+        return Loaded(
+            slot_file,
+            match.positions,
+            match.chunks,
+            bytes_read=reader.bytes_read,
+            levels=figures["levels"],
+            ms=(time.perf_counter() - start) * 1e3,
+        )
+
+    def upload(self, slot_file: bytes) -> dict[str, Any]:
+        """Uploads the full chunks of a saved slot that the store lacks (the partial last chunk
+        is left out: only an identical prompt could use it). Returns what was done."""
+        tokens, state = slot_file_to_seq_buffer(slot_file)
+        full = (int(tokens.size) // self.chunk_tokens) * self.chunk_tokens
+        if full == 0:
+            return {"chunks": 0, "objects_written": 0, "bytes_written": 0}
+        info = codec.inspect_state(state, "seq_buffer")
+        if not info["chunkable"] or info["positions"] != (0, int(tokens.size)):
+            raise CorruptDataError(
+                f"the slot holds positions {info['positions']} for {tokens.size} tokens: not chunkable"
+            )
+        store = self._store()
+        meta = StateMeta(self.fingerprint, "seq", 0, self.n_ctx, tokens[:full])
+        manifest = chunks.Manifest(meta, chunk_tokens=self.chunk_tokens)
+        uploads = chunks._Uploads(store)
+        start = time.perf_counter()
+        try:
+            present, level_bytes = chunks._save_chunks(
+                store, uploads, manifest, state, "seq_buffer", self.levels, self.threads
+            )
+            uploads.finish()
+        finally:
+            uploads.close()
+        for level, n in level_bytes.items():
+            written = sum(1 for c in manifest.chunks if c.sizes.get(level) is not None)
+            if written:
+                self._learn_level(level, n / (written * self.chunk_tokens))
+        return {
+            "chunks": len(manifest.chunks),
+            "objects_written": uploads.objects,
+            "objects_present": present,
+            "bytes_written": uploads.bytes,
+            "level_bytes": level_bytes,
+            "ms": (time.perf_counter() - start) * 1e3,
+        }
+
+
+# ---- the HTTP proxy -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    id: int
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intc))  # known held prefix
+    used: float = 0.0
+
+
+@dataclass
+class ProxyStats:
+    requests: int = 0
+    completions: int = 0
+    restores: int = 0
+    restored_tokens: int = 0
+    restore_failures: int = 0
+    bytes_read: int = 0
+    load_ms: float = 0.0
+    loads_skipped: int = 0  # a load that was slower than the SLO, or a store error
+    saves: int = 0
+    uploads: int = 0
+    upload_errors: int = 0
+    uploads_dropped: int = 0
+    bytes_written: int = 0
+    objects_written: int = 0
+    store_errors: int = 0
+    pending_uploads: int = 0
+
+
+class Proxy:
+    def __init__(
+        self,
+        server: str,
+        slot_dir: str | Path,
+        store_url: str,
+        *,
+        levels: tuple[str, ...] = ("high", "balanced"),
+        load_level: str | None = None,
+        slo: float | None = None,
+        chunk_tokens: int = chunks.DEFAULT_CHUNK_TOKENS,
+        token: str | None = None,
+        server_key: str | None = None,
+        model: str | None = None,
+        type_k: str = "f16",
+        type_v: str = "f16",
+        flash_attn: str = "auto",
+        swa_full: bool = False,
+        threads: int | None = None,
+    ) -> None:
+        self.server = server.rstrip("/")
+        self.slot_dir = Path(slot_dir)
+        self.store_url = store_url
+        self.token, self.server_key, self.model = token, server_key, model
+        self.options = {
+            "levels": tuple(levels),
+            "load_level": load_level,
+            "slo": slo,
+            "chunk_tokens": chunk_tokens,
+            "threads": threads,
+        }
+        self.kv = {"type_k": type_k, "type_v": type_v, "flash_attn": flash_attn, "swa_full": swa_full}
+        self.stats = ProxyStats()
+        self.slots: list[_Slot] = []
+        self.sharing: Sharing | None = None
+        self._nonce = secrets.token_hex(4)
+        self._session: aiohttp.ClientSession | None = None
+        self._loader = ThreadPoolExecutor(2, thread_name_prefix="lcg-proxy-load")
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="lcg-proxy-upload")
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._store_down_until = 0.0
+
+    # -- life cycle
+
+    async def start(self, app: web.Application | None = None) -> None:
+        """Connects to the server: its props, slots and KV streams, and the fingerprint."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        deadline = time.monotonic() + _START_WAIT_S
+        while True:  # the server may still be loading its model
+            try:
+                props = await self._call("GET", "/props")
+                break
+            except CacheGenError as exc:
+                if time.monotonic() > deadline:
+                    raise CacheGenError(f"llama-server at {self.server} not ready: {exc}") from exc
+                await asyncio.sleep(0.5)
+        n_slots = int(props.get("total_slots") or 1)
+        n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
+        model = self.model or props.get("model_path")
+        if not model or not Path(model).is_file():
+            raise InvalidArgumentError(
+                f"cannot read the server's model {model!r} here: give --model (the proxy runs beside it)"
+            )
+        self.slots = [_Slot(i) for i in range(n_slots)]
+        probe = await self._save_slot(0)  # the KV stream count, and the slot dir checked
+        _, offset = read_slot_file(probe)
+        (n_stream,) = struct.unpack_from("<I", probe, offset)
+        loop = asyncio.get_running_loop()
+        fingerprint = await loop.run_in_executor(
+            None, lambda: server_fingerprint(props, model, n_stream, **self.kv)
+        )
+        self.sharing = Sharing(self.store_url, fingerprint, n_ctx, **self.options)
+        log.info(
+            "llama-server %s: %d slots of %d tokens, %d KV stream(s), model %s",
+            self.server,
+            n_slots,
+            n_ctx,
+            n_stream,
+            Path(model).name,
+        )
+
+    async def close(self, app: web.Application | None = None) -> None:
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._session is not None:
+            await self._session.close()
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        self._uploader.shutdown(wait=True)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.close)
+        return app
+
+    # -- requests
+
+    def _server_headers(self, request: web.Request | None = None) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if request is not None:
+            for name, value in request.headers.items():
+                lower = name.lower()
+                if lower in _HOP_BY_HOP or (lower == "authorization" and self.token is not None):
+                    continue  # the proxy's token is not the server's key
+                headers[name] = value
+        if self.server_key is not None:
+            headers["Authorization"] = f"Bearer {self.server_key}"
+        return headers
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        """A JSON call to the server; CacheGenError on any failure."""
+        assert self._session is not None
+        try:
+            async with self._session.request(
+                method, self.server + path, json=body, headers=self._server_headers()
+            ) as response:
+                text = await response.text()
+                if response.status >= 400:
+                    raise CacheGenError(f"{method} {path}: {response.status} {text[:300].strip()}")
+                return json.loads(text)
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise CacheGenError(f"{method} {path}: {exc}") from exc
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        open_path = request.method == "GET" and request.path == "/health"
+        if (
+            self.token is not None
+            and not open_path
+            and not bearer_ok(request.headers.get("Authorization"), self.token)
+        ):
+            response = web.Response(status=401, text="a bearer token is required\n")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        self.stats.requests += 1
+        if request.path == STATS_PATH:
+            return web.json_response(self.stats.__dict__)
+        if request.method == "POST" and request.path in COMPLETION_PATHS | CHAT_PATHS:
+            return await self._completion(request, chat=request.path in CHAT_PATHS)
+        return await self._forward(request, await request.read())
+
+    async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        response, _ = await self._forward_tail(request, body)
+        return response
+
+    async def _forward_tail(
+        self, request: web.Request, body: bytes, extra: dict[str, str] | None = None
+    ) -> tuple[web.StreamResponse, bytes]:
+        """Streams the server's answer to `body` back chunk by chunk; returns the response and its
+        last bytes (where the timings are)."""
+        assert self._session is not None
+        tail = b""
+        try:
+            upstream_cm = self._session.request(
+                request.method,
+                self.server + request.path_qs,
+                data=body,
+                headers=self._server_headers(request),
+            )
+            upstream = await upstream_cm.__aenter__()
+        except aiohttp.ClientError as exc:
+            return web.Response(status=502, text=f"llama-server unreachable: {exc}\n"), tail
+        try:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _HOP_BY_HOP:
+                    response.headers.add(name, value)
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            for name, value in (extra or {}).items():
+                response.headers[name] = value
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+                tail = (tail + chunk)[-_TAIL_BYTES:]
+            await response.write_eof()
+            return response, tail
+        finally:
+            await upstream_cm.__aexit__(None, None, None)
+
+    async def _prompt_tokens(self, body: dict[str, Any], chat: bool) -> np.ndarray | None:
+        """The prompt's tokens as the server will see them; None for what the proxy leaves alone
+        (several prompts, media)."""
+        if chat:
+            if not isinstance(body.get("messages"), list):
+                return None
+            prompt: Any = (await self._call("POST", "/apply-template", body))["prompt"]
+        else:
+            prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return np.asarray(prompt, dtype=np.intc)  # token ids go in as they are
+        mixed = (
+            isinstance(prompt, list)
+            and any(isinstance(t, int) for t in prompt)
+            and all(isinstance(t, (int, str)) for t in prompt)
+        )
+        if not (isinstance(prompt, str) or mixed):
+            return None
+        reply = await self._call(
+            "POST", "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}
+        )
+        tokens = np.asarray(reply["tokens"], dtype=np.intc)
+        return tokens if tokens.size else None
+
+    async def _acquire(self, tokens: np.ndarray, pinned: Any) -> _Slot:
+        """The slot for a prompt: the client's `id_slot`, else the idle slot holding the longest
+        part of it (the least recently used among equals); waits for it to be free."""
+        if isinstance(pinned, int) and not isinstance(pinned, bool) and pinned >= 0:
+            slot = self.slots[pinned % len(self.slots)]
+        else:
+            idle = [s for s in self.slots if not s.lock.locked()] or self.slots
+            slot = max(idle, key=lambda s: (common_prefix(s.tokens, tokens), -s.used))
+        await slot.lock.acquire()
+        slot.used = time.monotonic()
+        return slot
+
+    async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return await self._forward(request, raw)
+        tokens = None
+        if isinstance(body, dict) and self.slots:
+            try:
+                tokens = await self._prompt_tokens(body, chat)
+            except CacheGenError as exc:
+                log.warning("prompt not tokenized (%s): passed through", exc)
+        if tokens is None:
+            return await self._forward(request, raw)
+        self.stats.completions += 1
+        slot = await self._acquire(tokens, body.get("id_slot"))
+        tail = b""
+        covered = 0
+        try:
+            restored, covered = await self._restore_prefix(slot, tokens)
+            body["id_slot"] = slot.id
+            body["cache_prompt"] = True
+            data = json.dumps(body).encode()
+            response, tail = await self._forward_tail(request, data, {RESTORED_HEADER: str(restored)})
+            return response
+        finally:
+            self._spawn(self._after(slot, tokens, covered, tail))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _store_ok(self) -> bool:
+        return time.monotonic() >= self._store_down_until
+
+    def _store_failed(self, what: str, exc: BaseException) -> None:
+        self.stats.store_errors += 1
+        self._store_down_until = time.monotonic() + _STORE_BACKOFF_S
+        log.warning(
+            "%s: %s (the server computes as usual; store skipped for %g s)", what, exc, _STORE_BACKOFF_S
+        )
+
+    async def _restore_prefix(self, slot: _Slot, tokens: np.ndarray) -> tuple[int, int]:
+        """Restores the longest stored prefix into `slot` when it beats what the slot holds.
+        Returns (tokens restored, chunks of the prompt the store holds); never raises."""
+        sharing = self.sharing
+        if sharing is None or not self._store_ok():
+            return 0, 0
+        held = common_prefix(slot.tokens, tokens)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._loader, sharing.load, tokens, held)
+        try:
+            loaded = await (asyncio.wait_for(future, sharing.slo) if sharing.slo else future)
+        except asyncio.TimeoutError:
+            self.stats.loads_skipped += 1
+            log.warning("prefix load over the SLO of %g s: computed instead", sharing.slo)
+            return 0, 0
+        except Exception as exc:  # the store down, a chunk refused: never fail the request
+            self.stats.loads_skipped += 1
+            self._store_failed("prefix load failed", exc)
+            return 0, 0
+        if loaded.slot_file is None:
+            return 0, loaded.chunks
+        name = f"llama-cachegen-{self._nonce}-restore-{slot.id}.bin"
+        path = self.slot_dir / name
+        try:
+            await loop.run_in_executor(None, _write_atomic, path, loaded.slot_file)
+            await self._call("POST", f"/slots/{slot.id}?action=restore", {"filename": name})
+        except (CacheGenError, OSError) as exc:
+            self.stats.restore_failures += 1
+            slot.tokens = slot.tokens[:0]  # a failed restore clears the slot
+            log.warning(
+                "slot %d: restore of %d tokens refused (%s): computed instead", slot.id, loaded.positions, exc
+            )
+            return 0, loaded.chunks
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        slot.tokens = tokens[: loaded.positions].copy()
+        self.stats.restores += 1
+        self.stats.restored_tokens += loaded.positions
+        self.stats.bytes_read += loaded.bytes_read
+        self.stats.load_ms += loaded.ms
+        log.info(
+            "slot %d: restored %d of %d prompt tokens (%s, %.0f KB in %.0f ms)",
+            slot.id,
+            loaded.positions,
+            tokens.size,
+            loaded.levels,
+            loaded.bytes_read / 1e3,
+            loaded.ms,
+        )
+        return loaded.positions, loaded.chunks
+
+    async def _save_slot(self, slot_id: int) -> bytes:
+        """The slot's sequence file, saved by the server into the slot dir, read and removed."""
+        name = f"llama-cachegen-{self._nonce}-save-{slot_id}.bin"
+        path = self.slot_dir / name
+        await self._call("POST", f"/slots/{slot_id}?action=save", {"filename": name})
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
+        except FileNotFoundError:
+            raise InvalidArgumentError(
+                f"the server saved its slot, but not into {self.slot_dir}: give the server's --slot-save-path"
+            ) from None
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    async def _after(self, slot: _Slot, tokens: np.ndarray, covered: int, tail: bytes) -> None:
+        """After a response: remember what the slot holds; save and upload it unless the store
+        already has every full chunk of it. Holds the slot until the save is done."""
+        data = None
+        try:
+            slot.tokens = tokens
+            timings = _timings(tail)
+            if self.sharing is not None and timings.get("prompt_per_second"):
+                self.sharing.learn_compute(float(timings["prompt_per_second"]))
+            total = int(tokens.size) + int(timings.get("predicted_n") or 0)
+            c = self.options["chunk_tokens"]
+            if self.sharing is not None and total // c > covered and self._store_ok():
+                if self.stats.pending_uploads >= _MAX_PENDING_UPLOADS:
+                    self.stats.uploads_dropped += 1
+                else:
+                    data = await self._save_slot(slot.id)
+                    self.stats.saves += 1
+                    slot.tokens, _ = read_slot_file(data)
+        except (CacheGenError, OSError) as exc:
+            log.warning("slot %d: save failed (%s)", slot.id, exc)
+        finally:
+            slot.lock.release()
+        if data is None or self.sharing is None:
+            return
+        self.stats.pending_uploads += 1
+        try:
+            done = await asyncio.get_running_loop().run_in_executor(self._uploader, self.sharing.upload, data)
+        except Exception as exc:  # a store that is down, a state that cannot be chunked
+            self.stats.upload_errors += 1
+            self._store_failed("upload failed", exc)
+        else:
+            self.stats.uploads += 1
+            self.stats.bytes_written += done["bytes_written"]
+            self.stats.objects_written += done["objects_written"]
+            if done["objects_written"]:
+                log.info(
+                    "slot %d: uploaded %d objects, %.0f KB (%d chunks of %d tokens) in %.0f ms",
+                    slot.id,
+                    done["objects_written"],
+                    done["bytes_written"] / 1e3,
+                    done["chunks"],
+                    c,
+                    done.get("ms", 0.0),
+                )
+        finally:
+            self.stats.pending_uploads -= 1
+
+
+_TIMING = re.compile(rb'"(prompt_n|predicted_n|prompt_per_second)"\s*:\s*([0-9.eE+-]+)')
+
+
+def _timings(tail: bytes) -> dict[str, float]:
+    """The last timings llama-server reported in a response (JSON or the last SSE events)."""
+    found: dict[str, float] = {}
+    for name, value in _TIMING.findall(tail):
+        with contextlib.suppress(ValueError):
+            found[name.decode()] = float(value)
+    return found
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgumentError(f"--listen takes HOST:PORT, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def run_proxy(args: argparse.Namespace) -> None:
+    """`llama-cachegen proxy`: serves until interrupted."""
+    host, port = _listen(args.listen)
+    token = load_token(args.token_file)
+    if token is None and not is_loopback(host):
+        raise InvalidArgumentError(
+            f"refusing to listen on {host or 'every interface'} without a token: anyone who reaches it "
+            f"could drive the server and fill the store; give --token-file or {TOKEN_ENV}, or use 127.0.0.1"
+        )
+    server_key = load_token(args.server_key_file) if args.server_key_file else None
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="llama-cachegen proxy: %(message)s",
+        stream=sys.stderr,
+    )
+    if not args.verbose:
+        log.setLevel(logging.INFO)  # restores and uploads are the point: always shown
+    proxy = Proxy(
+        args.server,
+        args.slot_dir,
+        args.store,
+        levels=tuple(args.levels),
+        load_level=args.load_level,
+        slo=args.slo,
+        chunk_tokens=args.chunk_tokens,
+        token=token,
+        server_key=server_key,
+        model=args.model,
+        type_k=args.cache_type_k,
+        type_v=args.cache_type_v,
+        flash_attn=args.flash_attn,
+        swa_full=args.swa_full,
+        threads=args.threads,
+    )
+
+    async def main() -> None:
+        runner = web.AppRunner(proxy.app(), access_log=web.access_logger if args.verbose else None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+            bound_host, bound_port = runner.addresses[0][:2]
+            print(
+                f"llama-cachegen: proxy for {proxy.server} at http://{bound_host}:{bound_port}/ "
+                f"(store {args.store}; {'token required' if token else 'no token'})",
+                file=sys.stderr,
+                flush=True,
+            )
+            stop = asyncio.Event()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+
+
+__all__ = [
+    "CHAT_PATHS",
+    "COMPLETION_PATHS",
+    "RESTORED_HEADER",
+    "STATS_PATH",
+    "Loaded",
+    "Proxy",
+    "ProxyStats",
+    "Sharing",
+    "common_prefix",
+    "read_slot_file",
+    "run_proxy",
+    "seq_buffer_to_slot_file",
+    "server_fingerprint",
+    "slot_file_to_seq_buffer",
+]

@@ -1,0 +1,418 @@
+"""The sharing proxy against real processes on 127.0.0.1: two llama-servers (built from
+llama-cpp-python's llama.cpp), a proxy before each, one redis-server as the shared store."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from llama_cachegen.errors import CorruptDataError
+from llama_cachegen.model import default_model_path, sample_text
+from llama_cachegen.proxy import (
+    RESTORED_HEADER,
+    STATS_PATH,
+    _timings,
+    common_prefix,
+    read_slot_file,
+    seq_buffer_to_slot_file,
+    slot_file_to_seq_buffer,
+)
+
+CHUNK = 128
+N_CTX = 2048
+
+
+# ---- slot files and helpers (no server) ---------------------------------------------------------
+
+
+def _memory() -> bytes:
+    return struct.pack("<II", 1, 0)  # one stream, no cells
+
+
+def test_slot_file_plain_and_packed_tokens() -> None:
+    tokens = [1, 50, 60, 70]
+    plain = struct.pack("<III", 0x67677371, 3, 4) + struct.pack("<4i", *tokens) + _memory()
+    got, offset = read_slot_file(plain)
+    assert got.tolist() == tokens and plain[offset:] == _memory()
+    # llama-server's own packing: -1, version 1, count, tokens, no media
+    words = [-1, 1, 4, *tokens, 0]
+    packed = (
+        struct.pack("<III", 0x67677371, 3, len(words)) + struct.pack(f"<{len(words)}i", *words) + _memory()
+    )
+    got, offset = read_slot_file(packed)
+    assert got.tolist() == tokens and packed[offset:] == _memory()
+    seq_tokens, seq = slot_file_to_seq_buffer(packed)
+    assert seq[:8] == struct.pack("<Ii", 0xAF143CD8, 0) and seq[8:] == _memory()
+    assert seq_buffer_to_slot_file(seq, seq_tokens) == plain
+
+
+def test_slot_file_refusals() -> None:
+    with pytest.raises(CorruptDataError):
+        read_slot_file(b"ggsq")
+    with pytest.raises(CorruptDataError):
+        read_slot_file(struct.pack("<III", 0x67677371, 2, 0))
+    with pytest.raises(CorruptDataError):  # more token words declared than bytes
+        read_slot_file(struct.pack("<III", 0x67677371, 3, 1000))
+    media = [-1, 1, 1, 5, 1, 0]  # one media chunk
+    with pytest.raises(CorruptDataError, match="media"):
+        read_slot_file(struct.pack("<III", 0x67677371, 3, len(media)) + struct.pack("<6i", *media))
+
+
+def test_helpers() -> None:
+    a = np.array([1, 2, 3, 4], dtype=np.intc)
+    assert common_prefix(a, np.array([1, 2, 9], dtype=np.intc)) == 2
+    assert common_prefix(a, a[:0]) == 0 and common_prefix(a, a) == 4
+    sse = b'data: {"x":1}\n\ndata: {"timings":{"prompt_n":12,"predicted_n":5,"prompt_per_second":1e3}}\n\n'
+    assert _timings(sse) == {"prompt_n": 12.0, "predicted_n": 5.0, "prompt_per_second": 1000.0}
+
+
+def test_refuses_public_listen_without_token(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "llama_cachegen", "proxy", "--server", "http://127.0.0.1:9", "--slot-dir",
+         str(tmp_path), "--store", str(tmp_path), "--listen", "0.0.0.0:0"],
+        capture_output=True, text=True, timeout=60, env=_env_without_token(),
+    )  # fmt: skip
+    assert proc.returncode == 1 and "without a token" in proc.stderr
+
+
+def _env_without_token() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "LLAMA_CACHEGEN_TOKEN"}
+
+
+# ---- processes ----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        with contextlib.suppress(OSError):
+            if _get(url, 2.0)[0] == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def llama_server() -> Path:
+    from llama_cachegen.errors import CacheGenError
+    from llama_cachegen.server import llama_server_path
+
+    try:
+        return llama_server_path(build=False)
+    except CacheGenError:
+        pass
+    try:  # built once (minutes); skipped only when it cannot be
+        return llama_server_path(build=True)
+    except CacheGenError as exc:
+        pytest.skip(f"llama-server is missing and could not be built: {exc}")
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server binary not installed (apt-get install redis-server)")
+    pytest.importorskip("redis", reason="the redis Python package is not installed")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        _stop(proc)
+
+
+@dataclass
+class Node:
+    server: str  # llama-server URL
+    proxy: str  # proxy URL
+    slot_dir: Path
+
+
+class Cluster:
+    """Processes started for one test module; all stopped at the end."""
+
+    def __init__(self, binary: Path, root: Path) -> None:
+        self.binary, self.root = binary, root
+        self.procs: list[subprocess.Popen] = []
+
+    def server(self, name: str) -> tuple[str, Path]:
+        slot_dir = self.root / f"slots-{name}"
+        slot_dir.mkdir()
+        port = _free_port()
+        log = open(self.root / f"server-{name}.log", "wb")  # noqa: SIM115 - kept for the process
+        proc = subprocess.Popen(
+            [str(self.binary), "-m", str(default_model_path()), "-c", str(N_CTX), "-np", "1", "-t", "2",
+             "-b", "512", "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(slot_dir),
+             "--cache-ram", "0", "--no-warmup"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url + "/health", proc)
+        return url, slot_dir
+
+    def proxy(self, server: str, slot_dir: Path, store: str, *extra: str) -> str:
+        port = _free_port()
+        log = open(self.root / f"proxy-{port}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cachegen", "proxy", "--server", server, "--slot-dir", str(slot_dir),
+             "--store", store, "--listen", f"127.0.0.1:{port}", "--levels", "lossless",
+             "--chunk-tokens", str(CHUNK), "--threads", "2", *extra],
+            stdout=log, stderr=subprocess.STDOUT, env=_env_without_token(),
+        )  # fmt: skip
+        self.procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(url + "/health", proc)
+        return url
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_server: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(llama_server, tmp_path_factory.mktemp("proxy"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def nodes(cluster: Cluster, redis_url: str) -> tuple[Node, Node]:
+    store = f"{redis_url}?prefix=proxy-test:"
+    out = []
+    for name in ("a", "b"):
+        server, slot_dir = cluster.server(name)
+        out.append(Node(server, cluster.proxy(server, slot_dir, store), slot_dir))
+    return out[0], out[1]
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[dict[str, Any], dict[str, str]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read()), dict(r.headers)
+
+
+def _stats(proxy: str) -> dict[str, Any]:
+    return json.loads(_get(proxy + STATS_PATH)[1])
+
+
+def _wait_uploads(proxy: str, uploads: int, timeout: float = 90.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = _stats(proxy)
+        if stats["uploads"] + stats["upload_errors"] >= uploads and not stats["pending_uploads"]:
+            return stats
+        time.sleep(0.2)
+    raise TimeoutError(f"{proxy}: uploads not done: {_stats(proxy)}")
+
+
+def _tokenize(server: str, text: str, add_special: bool) -> list[int]:
+    return _post(server + "/tokenize", {"content": text, "add_special": add_special})[0]["tokens"]
+
+
+def _complete(url: str, prompt: Any, **extra: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    body = {"prompt": prompt, "n_predict": 12, "temperature": 0.0, "cache_prompt": True, **extra}
+    return _post(url + "/completion", body)
+
+
+# ---- sharing through two proxies ----------------------------------------------------------------
+
+
+def test_shared_prefix_lossless(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    text = _tokenize(a.server, sample_text("gpl-3.0.txt"), add_special=True)
+    prefix = text[: 4 * CHUNK]  # chunk-aligned: B then computes exactly what a raw slot copy leaves
+    q_a = _tokenize(a.server, " Who publishes this license?\nAnswer:", add_special=False)
+    q_b = _tokenize(a.server, "\n\nQuestion: What is the name of this license?\nAnswer:", add_special=False)
+    assert q_a[0] != q_b[0]
+
+    out_a, headers_a = _complete(a.proxy, prefix + q_a)
+    assert headers_a[RESTORED_HEADER] == "0" and out_a["timings"]["prompt_n"] == len(prefix + q_a)
+    up = _wait_uploads(a.proxy, 1)
+    assert up["uploads"] == 1 and up["objects_written"] >= 4 + 2  # 4 chunks, statistics, skeleton
+    assert up["bytes_written"] > 0
+
+    out_b, headers_b = _complete(b.proxy, prefix + q_b)
+    assert headers_b[RESTORED_HEADER] == str(len(prefix))
+    assert out_b["timings"]["prompt_n"] == len(q_b)  # only the suffix evaluated
+    stats_b = _stats(b.proxy)
+    assert stats_b["restores"] == 1 and stats_b["bytes_read"] > 0
+
+    # the reference: A's raw slot file restored into B, the same request straight to B
+    _post(a.server + "/slots/0?action=save", {"filename": "raw-a.bin"})
+    shutil.copyfile(a.slot_dir / "raw-a.bin", b.slot_dir / "raw-a.bin")
+    _post(b.server + "/slots/0?action=restore", {"filename": "raw-a.bin"})
+    ref, _ = _complete(b.server, prefix + q_b, id_slot=0)
+    assert ref["timings"]["prompt_n"] == len(q_b)
+    assert out_b["content"] == ref["content"] and out_b["content"]
+    print(
+        f"\nA: {len(prefix + q_a)} prompt tokens in {out_a['timings']['prompt_ms']:.0f} ms; uploaded "
+        f"{up['bytes_written'] / 1e3:.0f} KB; B: restored {len(prefix)} tokens "
+        f"({stats_b['bytes_read'] / 1e3:.0f} KB, {stats_b['load_ms']:.0f} ms), evaluated "
+        f"{out_b['timings']['prompt_n']} in {out_b['timings']['prompt_ms']:.0f} ms"
+    )
+
+
+def test_unstored_prefix_passes_through(nodes: tuple[Node, Node]) -> None:
+    _, b = nodes
+    prompt = sample_text("gfdl-1.3.txt")[:1200]
+    n = len(_tokenize(b.server, prompt, add_special=True))
+    out, headers = _complete(b.proxy, prompt)
+    assert headers[RESTORED_HEADER] == "0"
+    assert out["timings"]["prompt_n"] >= n - 1 and out["content"]  # the first token may be cached
+    # other endpoints go through untouched
+    status, body = _get(b.proxy + "/v1/models")
+    assert status == 200 and json.loads(body)["data"]
+    assert _get(b.proxy + "/health")[0] == 200
+
+
+def _stream_chat(url: str, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any], dict[str, str], int]:
+    """Content, last timings, headers and the number of SSE events of a streamed chat answer."""
+    body = {"messages": messages, "max_tokens": 12, "temperature": 0.0, "stream": True}
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    content, timings, events = "", {}, 0
+    with urllib.request.urlopen(req, timeout=120) as r:
+        headers = dict(r.headers)
+        assert headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            events += 1
+            for choice in event.get("choices", []):
+                content += (choice.get("delta") or {}).get("content") or ""
+            timings = event.get("timings", timings)
+    return content, timings, headers, events
+
+
+def test_chat_shared_system_prompt(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    system = {"role": "system", "content": sample_text("difflib.py.txt")[:2000]}
+    before = _stats(a.proxy)["uploads"]
+    body = {"messages": [system, {"role": "user", "content": "What does this module do?"}], "max_tokens": 8}
+    out, headers = _post(a.proxy + "/v1/chat/completions", body)
+    assert headers[RESTORED_HEADER] == "0" and out["choices"][0]["message"]["content"]
+    _wait_uploads(a.proxy, before + 1)
+
+    content, timings, headers, events = _stream_chat(
+        b.proxy, [system, {"role": "user", "content": "Summarize."}]
+    )
+    restored = int(headers[RESTORED_HEADER])
+    assert restored >= 2 * CHUNK and restored % CHUNK == 0
+    assert events > 1 and content
+    assert timings["cache_n"] == restored and timings["prompt_n"] < CHUNK  # system prompt not recomputed
+
+
+def test_concurrent_requests(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    text = sample_text("gpl-3.0.txt")[:1500]
+    results: list[Any] = []
+
+    def ask(url: str, i: int) -> None:
+        try:
+            results.append(_complete(url, f"{text}\n\nQuestion {i}: what is this?\nAnswer:")[0])
+        except Exception as exc:  # collected: asserted below
+            results.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(n.proxy, i)) for i, n in enumerate((a, b, a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(results) == 4 and all(isinstance(r, dict) and r["content"] for r in results), results
+
+
+def test_store_down_still_answers(nodes: tuple[Node, Node], cluster: Cluster) -> None:
+    a, _ = nodes
+    dead = f"redis://127.0.0.1:{_free_port()}/0"
+    proxy = cluster.proxy(a.server, a.slot_dir, dead)
+    prompt = sample_text("gpl-3.0.txt")[:1500] + "\n\nQuestion: who wrote this?\nAnswer:"
+    out, headers = _complete(proxy, prompt)
+    assert headers[RESTORED_HEADER] == "0" and out["content"]
+    stats = _stats(proxy)
+    assert stats["store_errors"] >= 1 and stats["restores"] == 0
+
+
+def test_token_required(nodes: tuple[Node, Node], cluster: Cluster, redis_url: str, tmp_path: Path) -> None:
+    a, _ = nodes
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    proxy = cluster.proxy(a.server, a.slot_dir, redis_url, "--token-file", str(token_file))
+    assert _get(proxy + "/health")[0] == 200
+    body = json.dumps({"prompt": "Hello", "n_predict": 2}).encode()
+    for headers, status in (
+        ({}, 401),
+        ({"Authorization": "Bearer wrong"}, 401),
+        ({"Authorization": "Bearer s3cret"}, 200),
+    ):
+        req = urllib.request.Request(proxy + "/completion", data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                assert r.status == status
+        except urllib.error.HTTPError as e:
+            assert e.code == status
