@@ -47,10 +47,10 @@ def _chunked(state: bytes, level: str, c: int, threads: int) -> tuple[list[bytes
 
 
 def _decode_chunked(skeleton: bytes, objects: list[bytes], n: int, threads: int) -> bytearray:
-    stats, stats_id = objects[0], hashlib.sha256(objects[0]).digest()
+    stats = codec.Stats(objects[0], hashlib.sha256(objects[0]).digest())
     state = codec.skeleton_state(skeleton, n)
     for chunk in objects[1:]:
-        codec.decode_chunk(chunk, stats, stats_id, state, threads=threads)
+        codec.decode_chunk(chunk, stats, state, threads=threads)
     return state
 
 

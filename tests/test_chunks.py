@@ -54,7 +54,8 @@ def _decode_into(store: stores.Store, key: str, level: str, state: bytearray) ->
     """Decodes one stored chunk into `state`, with codec calls only."""
     chunk = store.get(f"lcg2/chunks/{key}/{level}")
     stats_id = codec.inspect(chunk)["stats_id"]
-    codec.decode_chunk(chunk, store.get(f"lcg2/stats/{stats_id}"), bytes.fromhex(stats_id), state)
+    stats = codec.Stats(store.get(f"lcg2/stats/{stats_id}"), bytes.fromhex(stats_id))
+    codec.decode_chunk(chunk, stats, state)
 
 
 @pytest.fixture(scope="module")

@@ -65,8 +65,8 @@ def chunk_targets():  # a mutated chunk, statistics object or skeleton, the rest
     op, mutant = mutate({"chunk": chunk, "stats": stats, "skeleton": skel}[which])
     def decode_chunk(_):
         state = codec.skeleton_state(mutant if which == "skeleton" else skel, 20)
-        stats_in = mutant if which == "stats" else stats
-        codec.decode_chunk(mutant if which == "chunk" else chunk, stats_in, sid, state)
+        opened = codec.Stats(mutant if which == "stats" else stats, sid)
+        codec.decode_chunk(mutant if which == "chunk" else chunk, opened, state)
     return op, mutant, {f"decode_{which}": decode_chunk}
 
 INTERESTING = [0, 1, 2, 0x7F, 0xFF, 0x7FFF, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 1 << 40, 2**64 - 1]

@@ -110,12 +110,13 @@ def test_chunks_decode_to_the_whole_containers_state(chunk: int, level: str) -> 
         chunker = lcg.codec.Chunker(state, level)
         stats = chunker.stats()
         stats_id = hashlib.sha256(stats).digest()
+        opened = lcg.codec.Stats(stats, stats_id)
         skeleton = lcg.codec.encode_skeleton(state)
         out = lcg.codec.skeleton_state(skeleton, cells)
         assert len(out) == len(state)
         bounds = list(range(0, cells, chunk)) + [cells]
         for begin, end in reversed(list(zip(bounds, bounds[1:], strict=False))):  # any order
-            lcg.codec.decode_chunk(chunker.chunk(begin, end, stats_id), stats, stats_id, out)
+            lcg.codec.decode_chunk(chunker.chunk(begin, end, stats_id), opened, out)
         assert out == lcg.decode(lcg.encode(state, level))
         if level == "lossless":
             assert out == state
@@ -131,9 +132,10 @@ def test_prefix_states_and_splice() -> None:
     stats = chunker.stats()
     sid = hashlib.sha256(stats).digest()
     rebuilt = lcg.codec.skeleton_state(skeleton, 100)
-    lcg.codec.decode_chunk(chunker.chunk(0, 100, sid), stats, sid, rebuilt)
+    opened = lcg.codec.Stats(stats, sid)
+    lcg.codec.decode_chunk(chunker.chunk(0, 100, sid), opened, rebuilt)
     assert rebuilt == prefix
     with pytest.raises(lcg.CorruptDataError, match="other statistics"):
-        lcg.codec.decode_chunk(chunker.chunk(0, 100, sid), stats, bytes(32), rebuilt)
+        lcg.codec.decode_chunk(chunker.chunk(0, 100, sid), lcg.codec.Stats(stats, bytes(32)), rebuilt)
     with pytest.raises(lcg.InvalidArgumentError):
-        lcg.codec.decode_chunk(chunker.chunk(100, 200, sid), stats, sid, rebuilt)  # past the prefix
+        lcg.codec.decode_chunk(chunker.chunk(100, 200, sid), opened, rebuilt)  # past the prefix

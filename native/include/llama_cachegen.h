@@ -97,7 +97,11 @@ typedef struct {
     int32_t level;          /* lcg_level                                                        */
     int32_t state_kind;     /* lcg_state_kind; LCG_KIND_AUTO detects it                          */
     int32_t n_threads;      /* <= 0: all cores                                                  */
-    /* Expert knobs; a negative value takes the level's preset. Ignored at LCG_LEVEL_LOSSLESS.  */
+    /* Expert knobs; a negative value takes the level's preset. Ignored at LCG_LEVEL_LOSSLESS.
+     * A lossy level sets each tensor's step so that its squared error is error_scale x the error
+     * llama.cpp's reference cache type (high: q8_0, balanced: q5_1, compact: q4_0) makes on that
+     * same tensor. Setting k_step or v_step switches to fixed steps instead.                   */
+    float   error_scale;    /* our squared error / the reference cache type's, per tensor       */
     float   k_step;         /* K quantization step in channel standard deviations (last layer)  */
     float   v_step;         /* V quantization step in channel standard deviations (last layer)  */
     float   first_layer_scale; /* step of layer 0 = this x the last layer's; linear in between  */
@@ -123,12 +127,14 @@ typedef struct {
     uint64_t kv_bytes;          /* bytes of K/V payload the object restores                      */
     float    k_step, v_step, first_layer_scale;
     int32_t  n_sink_tokens;
+    int32_t  ref_type;          /* ggml type of the reference cache type the steps follow, or -1 */
+    float    error_scale;       /* squared error / the reference's (when ref_type >= 0)          */
     int32_t  part;              /* lcg_part                                                      */
     uint32_t n_caches;          /* KV caches (2 for interleaved sliding-window models)           */
     uint32_t pos_begin, pos_end;/* chunk: its positions; whole/skeleton of a chunkable state: 0, n */
     uint8_t  stats_id[32];      /* chunk: the id of the statistics it was coded with             */
     uint32_t chunkable;         /* state / whole / skeleton: 1 if it can be cut into chunks       */
-    uint32_t reserved[7];
+    uint32_t reserved[5];
 } lcg_info;
 
 /* One entry of the container's section table. */
@@ -149,8 +155,9 @@ typedef enum {
     LCG_SECTION_STATS_REF = 6  /* 32-byte id of the statistics object a chunk was coded with     */
 } lcg_section_type;
 
-/* An encoder of chunks at one level (opaque). */
+/* An encoder of chunks at one level, and statistics opened for decoding (opaque). */
 typedef struct lcg_chunker lcg_chunker;
+typedef struct lcg_stats lcg_stats;
 
 /* Runtime twin of LCG_VERSION_NUMBER, and the container format version this library writes. */
 LCG_API uint32_t lcg_version_number(void);
@@ -223,12 +230,19 @@ LCG_API int lcg_chunker_encode(lcg_chunker * chunker, uint32_t pos_begin, uint32
                                void ** out, size_t * out_size);
 LCG_API void lcg_chunker_free(lcg_chunker * chunker);
 
+/* Opens a statistics object for decoding chunks: verifies its checksums and expands its tables
+ * once (tens of MB for a 7B model: keep one handle per statistics object, not per chunk).
+ * stats_id (32 bytes) is the caller's hash of the bytes; chunks naming another id are refused. */
+LCG_API int lcg_stats_open(const void * stats, size_t stats_size, const uint8_t * stats_id, int32_t n_threads,
+                           lcg_stats ** out);
+LCG_API void lcg_stats_free(lcg_stats * stats);
+
 /* Decodes a chunk into its place in `state` (a state from lcg_skeleton_state, or any state of the
- * same layout holding the chunk's positions). `stats` must be the object whose id (32 bytes, the
- * caller's hash of it) the chunk names. Verifies every checksum and that the chunk's layout matches
- * the state's before writing; on error only the chunk's rows may have been written. */
-LCG_API int lcg_decode_chunk(const void * chunk, size_t chunk_size, const void * stats, size_t stats_size,
-                             const uint8_t * stats_id, int32_t n_threads, void * state, size_t state_size);
+ * same layout holding the chunk's positions). Verifies every checksum, that the chunk names these
+ * statistics and that its layout matches the state's before writing; on error only the chunk's
+ * rows may have been written. Safe to call from several threads at once with one handle. */
+LCG_API int lcg_decode_chunk(const void * chunk, size_t chunk_size, const lcg_stats * stats, int32_t n_threads,
+                             void * state, size_t state_size);
 
 /* Copies the K/V rows of positions [pos_begin, pos_end) from `src` (a llama.cpp state of the same
  * layout holding those positions, e.g. what llama.cpp computed for a chunk sent as text) into

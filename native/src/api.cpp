@@ -52,8 +52,17 @@ EncodeOptions options(const lcg_encode_params * params) {
     opt.n_threads = p.n_threads;
     opt.knobs = level_knobs(p.level);
     // Negative takes the preset; anything else (NaN included) is the caller's and gets checked.
+    // A step given by the caller switches the level to fixed steps.
+    if (!(p.k_step < 0.0f) || !(p.v_step < 0.0f)) {
+        const QuantKnobs fixed = fixed_level_knobs(p.level);
+        opt.knobs.k_step = fixed.k_step;
+        opt.knobs.v_step = fixed.v_step;
+        opt.knobs.ref_type = -1;
+        opt.knobs.ref_scale = 0.0f;
+    }
     if (!(p.k_step < 0.0f)) opt.knobs.k_step = p.k_step;
     if (!(p.v_step < 0.0f)) opt.knobs.v_step = p.v_step;
+    if (!(p.error_scale < 0.0f) && opt.knobs.ref_type >= 0) opt.knobs.ref_scale = p.error_scale;
     if (!(p.first_layer_scale < 0.0f)) opt.knobs.first_layer_scale = p.first_layer_scale;
     if (p.n_sink_tokens >= 0) opt.knobs.n_sink_tokens = p.n_sink_tokens;
     if (p.level != LCG_LEVEL_LOSSLESS) {
@@ -62,6 +71,8 @@ EncodeOptions options(const lcg_encode_params * params) {
                   opt.knobs.k_step, opt.knobs.v_step);
         LCG_CHECK(knob_ok(opt.knobs.first_layer_scale, 0.01f, 100.0f), LCG_ERR_INVALID_ARGUMENT,
                   "first_layer_scale %g: expected 0.01..100", opt.knobs.first_layer_scale);
+        LCG_CHECK(opt.knobs.ref_type < 0 || knob_ok(opt.knobs.ref_scale, 1e-6f, 1e6f), LCG_ERR_INVALID_ARGUMENT,
+                  "error_scale %g: expected 1e-6..1e6", opt.knobs.ref_scale);
     }
     opt.user_meta = static_cast<const uint8_t *>(p.user_meta);
     opt.user_meta_size = p.user_meta_size;
@@ -103,6 +114,7 @@ lcg_encode_params lcg_encode_default_params(void) {
     p.level = LCG_LEVEL_BALANCED;
     p.state_kind = LCG_KIND_AUTO;
     p.n_threads = 0;
+    p.error_scale = -1.0f;
     p.k_step = -1.0f;
     p.v_step = -1.0f;
     p.first_layer_scale = -1.0f;
@@ -162,8 +174,11 @@ int lcg_inspect(const void * container, size_t container_size, lcg_info * info) 
         info->v_step = L.knobs.v_step;
         info->first_layer_scale = L.knobs.first_layer_scale;
         info->n_sink_tokens = L.knobs.n_sink_tokens;
+        info->ref_type = L.knobs.ref_type;
+        info->error_scale = L.knobs.ref_scale;
         info->pos_begin = c.header.pos_begin;
         info->pos_end = c.header.pos_end;
+        info->chunkable = (c.header.part == LCG_PART_WHOLE || c.header.part == LCG_PART_SKELETON) && c.header.pos_end > 0;
         for (const lcg_section & s : c.sections) {
             if (s.type == LCG_SECTION_STATS_REF && s.size == sizeof(info->stats_id)) {
                 verify_section(c, s);
@@ -285,13 +300,28 @@ int lcg_chunker_encode(lcg_chunker * chunker, uint32_t pos_begin, uint32_t pos_e
 
 void lcg_chunker_free(lcg_chunker * chunker) { delete chunker; }
 
-int lcg_decode_chunk(const void * chunk, size_t chunk_size, const void * stats, size_t stats_size,
-                     const uint8_t * stats_id, int32_t n_threads, void * state, size_t state_size) {
+struct lcg_stats {
+    std::unique_ptr<Stats> impl;
+};
+
+int lcg_stats_open(const void * stats, size_t stats_size, const uint8_t * stats_id, int32_t n_threads,
+                   lcg_stats ** out) {
     return guarded([&] {
-        LCG_CHECK(chunk != nullptr && stats != nullptr && stats_id != nullptr && state != nullptr,
-                  LCG_ERR_INVALID_ARGUMENT, "NULL argument");
-        decode_chunk(static_cast<const uint8_t *>(chunk), chunk_size, static_cast<const uint8_t *>(stats), stats_size,
-                     stats_id, n_threads, static_cast<uint8_t *>(state), state_size);
+        LCG_CHECK(stats != nullptr && stats_id != nullptr && out != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        auto handle = std::make_unique<lcg_stats>();
+        handle->impl = open_stats(static_cast<const uint8_t *>(stats), stats_size, stats_id, n_threads);
+        *out = handle.release();
+    });
+}
+
+void lcg_stats_free(lcg_stats * stats) { delete stats; }
+
+int lcg_decode_chunk(const void * chunk, size_t chunk_size, const lcg_stats * stats, int32_t n_threads, void * state,
+                     size_t state_size) {
+    return guarded([&] {
+        LCG_CHECK(chunk != nullptr && stats != nullptr && state != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        decode_chunk(static_cast<const uint8_t *>(chunk), chunk_size, *stats->impl, n_threads,
+                     static_cast<uint8_t *>(state), state_size);
     });
 }
 

@@ -21,6 +21,8 @@ void write_layout(ByteWriter & w, uint32_t n_layers, const std::vector<TensorDes
     w.f32(k.v_step);
     w.f32(k.first_layer_scale);
     w.i32(k.n_sink_tokens);
+    w.i32(k.ref_type);
+    w.f32(k.ref_scale);
     for (const TensorDesc & t : tensors) {
         w.i32(t.ggml_type);
         w.u8(t.is_v);
@@ -94,9 +96,8 @@ std::vector<TensorEncoder> prepare_tensors(const uint8_t * state, const ParsedSt
     std::vector<TensorEncoder> enc(st.tensors.size());
     parallel_for(st.tensors.size(), opt.n_threads, [&](size_t i) {
         const TensorDesc & t = st.tensors[i];
-        const float step =
-            opt.level == LCG_LEVEL_LOSSLESS ? 0.0f : layer_step(opt.knobs, t.is_v, t.layer, t.n_layer);
-        prepare_tensor(state, t, step, is_sink[t.cell_group], enc[i]);
+        prepare_tensor(state, t, opt.level == LCG_LEVEL_LOSSLESS ? nullptr : &opt.knobs, is_sink[t.cell_group],
+                       enc[i]);
     });
     return enc;
 }
@@ -124,6 +125,11 @@ ContainerHeader state_header(const ParsedState & st, size_t size, int32_t part, 
     h.n_cells = st.n_cells;
     h.n_layers = st.n_layers;
     h.n_caches = st.n_caches;
+    try {
+        h.pos_end = chunkable_positions(st);  // whole and skeleton: the positions of a chunkable state
+    } catch (const Error &) {
+        h.pos_end = 0;
+    }
     return h;
 }
 
@@ -162,6 +168,8 @@ Layout read_layout(const ContainerView & c) {
     L.knobs.v_step = r.f32();
     L.knobs.first_layer_scale = r.f32();
     L.knobs.n_sink_tokens = r.i32();
+    L.knobs.ref_type = r.i32();
+    L.knobs.ref_scale = r.f32();
     LCG_CHECK(n_tensors <= r.remaining() / TENSOR_DESC_BYTES && n_segments <= r.remaining() / 9, LCG_ERR_CORRUPT,
               "layout declares %u tensors and %u segments in %zu bytes", n_tensors, n_segments, r.remaining());
     const bool whole = c.header.part == LCG_PART_WHOLE || c.header.part == LCG_PART_SKELETON;
@@ -320,14 +328,14 @@ size_t decode_whole(const uint8_t * data, size_t size, int32_t n_threads, uint8_
     parallel_for(L.tensors.size(), n_threads, [&](size_t i) {
         const TensorDesc & t = L.tensors[i];
         ByteReader sr = c.section_reader(*stats_sec[i], "statistics section");
-        const TensorStats s = read_stats(sr, t);
+        const TensorDecoder dec = prepare_decoder(read_stats(sr, t));
         LCG_CHECK(sr.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray statistics bytes", i, sr.remaining());
         std::vector<uint32_t> cells(t.n_cells);
         for (uint32_t k = 0; k < t.n_cells; k++) {
             cells[k] = k;
         }
         ByteReader r = c.section_reader(*rows_sec[i], "tensor section");
-        decode_rows(r, t, s, dst, t, cells);
+        decode_rows(r, t, dec, dst, t, cells);
         LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray bytes", i, r.remaining());
     });
     return state_size;
@@ -410,22 +418,38 @@ uint8_t * chunker_encode(const Chunker & ch, uint32_t pos_begin, uint32_t pos_en
     return write_container(h, sections, out_size);
 }
 
-void decode_chunk(const uint8_t * chunk, size_t chunk_size, const uint8_t * stats, size_t stats_size,
-                  const uint8_t * stats_id, int32_t n_threads, uint8_t * state, size_t state_size) {
-    const ContainerView c = read_part(chunk, chunk_size, LCG_PART_CHUNK, "a chunk");
-    const ContainerView sc = read_part(stats, stats_size, LCG_PART_STATS, "a statistics object");
+std::unique_ptr<Stats> open_stats(const uint8_t * data, size_t size, const uint8_t * id, int32_t n_threads) {
+    const ContainerView c = read_part(data, size, LCG_PART_STATS, "a statistics object");
     for (const lcg_section & s : c.sections) {
         verify_section(c, s);
     }
-    for (const lcg_section & s : sc.sections) {
-        verify_section(sc, s);
+    auto st = std::make_unique<Stats>();
+    st->level = c.header.level;
+    st->layout = read_layout(c);
+    std::memcpy(st->id, id, STATS_ID_BYTES);
+    const auto sections = tensor_sections(c, LCG_SECTION_STATS, st->layout.tensors.size());
+    st->tensors.resize(st->layout.tensors.size());
+    parallel_for(st->tensors.size(), n_threads, [&](size_t i) {
+        ByteReader r = c.section_reader(*sections[i], "statistics section");
+        st->tensors[i] = prepare_decoder(read_stats(r, st->layout.tensors[i]));
+        LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray statistics bytes", i, r.remaining());
+    });
+    return st;
+}
+
+void decode_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads, uint8_t * state,
+                  size_t state_size) {
+    const ContainerView c = read_part(chunk, chunk_size, LCG_PART_CHUNK, "a chunk");
+    for (const lcg_section & s : c.sections) {
+        verify_section(c, s);
     }
-    const Layout L = read_layout(c), SL = read_layout(sc);
+    const Layout L = read_layout(c);
+    const Layout & SL = stats.layout;
     const lcg_section & ref = only_section(c, LCG_SECTION_STATS_REF, "statistics reference");
-    LCG_CHECK(ref.size == STATS_ID_BYTES && std::memcmp(chunk + ref.offset, stats_id, STATS_ID_BYTES) == 0,
+    LCG_CHECK(ref.size == STATS_ID_BYTES && std::memcmp(chunk + ref.offset, stats.id, STATS_ID_BYTES) == 0,
               LCG_ERR_CORRUPT, "the chunk was coded with other statistics than the ones given");
-    LCG_CHECK(c.header.level == sc.header.level, LCG_ERR_CORRUPT, "chunk of level %d with statistics of level %d",
-              c.header.level, sc.header.level);
+    LCG_CHECK(c.header.level == stats.level, LCG_ERR_CORRUPT, "chunk of level %d with statistics of level %d",
+              c.header.level, stats.level);
 
     // Any kind of state with the same memory layout: a chunk saved from llama-cpp-python loads into
     // a llama-server slot file.
@@ -440,18 +464,14 @@ void decode_chunk(const uint8_t * chunk, size_t chunk_size, const uint8_t * stat
     for (size_t i = 0; i < st.tensors.size(); i++) {
         same_geometry(L.tensors[i], st.tensors[i], i, "chunk");
         same_geometry(SL.tensors[i], st.tensors[i], i, "statistics");
-        LCG_CHECK(L.tensors[i].n_cells == p1 - p0, LCG_ERR_CORRUPT, "tensor %zu of the chunk holds %u cells for %u positions",
-                  i, L.tensors[i].n_cells, p1 - p0);
+        LCG_CHECK(L.tensors[i].n_cells == p1 - p0, LCG_ERR_CORRUPT,
+                  "tensor %zu of the chunk holds %u cells for %u positions", i, L.tensors[i].n_cells, p1 - p0);
     }
     const auto rows = rows_of(cell_of_position(st), p0, p1);
-    const auto stats_sec = tensor_sections(sc, LCG_SECTION_STATS, SL.tensors.size());
     const auto rows_sec = tensor_sections(c, LCG_SECTION_TENSOR, L.tensors.size());
     parallel_for(L.tensors.size(), n_threads, [&](size_t i) {
-        ByteReader sr = sc.section_reader(*stats_sec[i], "statistics section");
-        const TensorStats s = read_stats(sr, SL.tensors[i]);
-        LCG_CHECK(sr.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray statistics bytes", i, sr.remaining());
         ByteReader r = c.section_reader(*rows_sec[i], "tensor section");
-        decode_rows(r, L.tensors[i], s, state, st.tensors[i], rows[st.tensors[i].cell_group]);
+        decode_rows(r, L.tensors[i], stats.tensors[i], state, st.tensors[i], rows[st.tensors[i].cell_group]);
         LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray bytes", i, r.remaining());
     });
 }

@@ -58,8 +58,16 @@ uint8_t * chunker_stats(const Chunker & ch, size_t * out_size);
 uint8_t * chunker_encode(const Chunker & ch, uint32_t pos_begin, uint32_t pos_end, const uint8_t * stats_id,
                          const uint8_t * user_meta, size_t user_meta_size, size_t * out_size);
 
-void decode_chunk(const uint8_t * chunk, size_t chunk_size, const uint8_t * stats, size_t stats_size,
-                  const uint8_t * stats_id, int32_t n_threads, uint8_t * state, size_t state_size);
+// A statistics object opened for decoding: checked once, tables expanded once, shared by chunks.
+struct Stats {
+    int32_t level;
+    Layout layout;
+    uint8_t id[32];
+    std::vector<TensorDecoder> tensors;
+};
+std::unique_ptr<Stats> open_stats(const uint8_t * data, size_t size, const uint8_t * id, int32_t n_threads);
+void decode_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads, uint8_t * state,
+                  size_t state_size);
 void splice(uint8_t * state, size_t state_size, const uint8_t * src, size_t src_size, uint32_t pos_begin,
             uint32_t pos_end);
 

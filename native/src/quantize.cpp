@@ -1,5 +1,6 @@
 #include "quantize.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
@@ -12,17 +13,96 @@ namespace lcg {
 namespace {
 
 constexpr float MIN_STEP = 6.103515625e-05f;  // smallest normal f16
+constexpr float REF_SCALE_HIGH = 1.0f;
+constexpr float REF_SCALE_BALANCED = 1.0f;
+constexpr float REF_SCALE_COMPACT = 1.0f;
+
+// In-place orthonormal Walsh-Hadamard transform of n (a power of two) values.
+void hadamard(float * x, uint32_t n) {
+    for (uint32_t h = 1; h < n; h *= 2) {
+        for (uint32_t i = 0; i < n; i += 2 * h) {
+            for (uint32_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+    }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(n));
+    for (uint32_t i = 0; i < n; i++) {
+        x[i] *= scale;
+    }
+}
+
+inline float f16_round(float v) { return f16_to_f32(f32_to_f16(v)); }
+
+// Squared error of one block of 32 through ggml's reference quantizer of `type`
+// (quantize_row_q8_0_ref, quantize_row_q5_1_ref, quantize_row_q4_0_ref) and back.
+double block_sq_error(const float * x, int32_t type) {
+    double err = 0.0;
+    if (type == GGML_Q8_0) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            amax = std::max(amax, std::fabs(x[j]));
+        }
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f, dh = f16_round(d);
+        for (int j = 0; j < 32; j++) {
+            const double e = x[j] - std::round(x[j] * id) * dh;
+            err += e * e;
+        }
+    } else if (type == GGML_Q5_1) {
+        float lo = x[0], hi = x[0];
+        for (int j = 1; j < 32; j++) {
+            lo = std::min(lo, x[j]);
+            hi = std::max(hi, x[j]);
+        }
+        const float d = (hi - lo) / 31.0f, id = d != 0.0f ? 1.0f / d : 0.0f, dh = f16_round(d), mh = f16_round(lo);
+        for (int j = 0; j < 32; j++) {
+            const int q = std::min(31, static_cast<int>((x[j] - lo) * id + 0.5f));
+            const double e = x[j] - (q * dh + mh);
+            err += e * e;
+        }
+    } else {  // q4_0
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            if (amax < std::fabs(x[j])) {
+                amax = std::fabs(x[j]);
+                max = x[j];
+            }
+        }
+        const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f, dh = f16_round(d);
+        for (int j = 0; j < 32; j++) {
+            const int q = std::min(15, static_cast<int>(static_cast<int8_t>(x[j] * id + 8.5f)));
+            const double e = x[j] - (q - 8) * dh;
+            err += e * e;
+        }
+    }
+    return err;
+}
 
 } // namespace
 
 QuantKnobs level_knobs(int32_t level) {
+    QuantKnobs k = fixed_level_knobs(level);
+    switch (level) {
+        // ref_scale measured on SmolLM2-135M (bench/rate_distortion.py): the largest error ratio at
+        // which every text's KL stays under the reference cache type's, with a margin.
+        case LCG_LEVEL_HIGH: k.ref_type = GGML_Q8_0; k.ref_scale = REF_SCALE_HIGH; break;
+        case LCG_LEVEL_BALANCED: k.ref_type = GGML_Q5_1; k.ref_scale = REF_SCALE_BALANCED; break;
+        case LCG_LEVEL_COMPACT: k.ref_type = GGML_Q4_0; k.ref_scale = REF_SCALE_COMPACT; break;
+        default: break;
+    }
+    return k;
+}
+
+QuantKnobs fixed_level_knobs(int32_t level) {
     switch (level) {
         // Tuned on SmolLM2-135M, 2,048 tokens (bench/): a uniform step over layers measured as good
         // as or better than finer shallow layers at equal size, so the presets keep the ramp flat.
-        case LCG_LEVEL_HIGH: return {0.115f, 0.115f, 1.0f, 4};
-        case LCG_LEVEL_BALANCED: return {0.40f, 0.40f, 1.0f, 4};
-        case LCG_LEVEL_COMPACT: return {0.72f, 0.72f, 1.0f, 4};
-        default: return {0.0f, 0.0f, 1.0f, 0};
+        case LCG_LEVEL_HIGH: return {0.115f, 0.115f, 1.0f, 4, -1, 0.0f};
+        case LCG_LEVEL_BALANCED: return {0.40f, 0.40f, 1.0f, 4, -1, 0.0f};
+        case LCG_LEVEL_COMPACT: return {0.72f, 0.72f, 1.0f, 4, -1, 0.0f};
+        default: return {0.0f, 0.0f, 1.0f, 0, -1, 0.0f};
     }
 }
 
@@ -30,6 +110,21 @@ float layer_step(const QuantKnobs & k, bool is_v, uint32_t layer, uint32_t n_lay
     const float last = is_v ? k.v_step : k.k_step;
     const float t = n_layer > 1 ? static_cast<float>(layer) / static_cast<float>(n_layer - 1) : 1.0f;
     return last * (k.first_layer_scale + (1.0f - k.first_layer_scale) * t);
+}
+
+double reference_sq_error(const float * rows, size_t n_rows, uint32_t n_units, int32_t ref_type, uint32_t rot) {
+    std::vector<float> row(n_units);
+    double err = 0.0;
+    for (size_t r = 0; r < n_rows; r++) {
+        std::memcpy(row.data(), rows + r * n_units, n_units * sizeof(float));
+        for (uint32_t b = 0; rot && b < n_units; b += rot) {
+            hadamard(row.data() + b, rot);
+        }
+        for (uint32_t b = 0; b + 32 <= n_units; b += 32) {
+            err += block_sq_error(row.data() + b, ref_type);
+        }
+    }
+    return err;
 }
 
 ChannelQuant channel_quant(double mean, double step) {

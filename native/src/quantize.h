@@ -16,15 +16,34 @@ constexpr int32_t Q_MAX = 127;
 constexpr uint8_t SYM_ZERO = 128;
 constexpr uint8_t SYM_ESCAPE = 0;
 
+// How steps are chosen. A level names a llama.cpp cache type (ref_type) and each tensor's step is
+// set so that its squared error is ref_scale x the error that cache type makes on that very tensor:
+// the promise "about q8_0 / at most q5_1 / at most q4_0" then follows the model's own statistics
+// instead of multiples of a spread tuned on one model. Fixed steps (ref_type < 0) are the expert
+// knobs k_step / v_step.
 struct QuantKnobs {
-    float k_step;             // in channel standard deviations, at the last layer
+    float k_step;             // fixed steps: in channel-group standard deviations, at the last layer
     float v_step;
     float first_layer_scale;  // layer 0's step relative to the last layer's
     int32_t n_sink_tokens;    // cells with position < this are stored exactly
+    int32_t ref_type;         // ggml type (q8_0, q5_1, q4_0) whose error steps match, or -1
+    float ref_scale;          // our squared error over the reference's, per tensor
 };
 
 // The knobs of a lossy level (LCG_LEVEL_HIGH..COMPACT); lossless gets zeros.
 QuantKnobs level_knobs(int32_t level);
+// The same level with fixed steps (what k_step / v_step default to when a caller sets one of them).
+QuantKnobs fixed_level_knobs(int32_t level);
+
+constexpr int32_t GGML_Q4_0 = 2;
+constexpr int32_t GGML_Q5_1 = 7;
+constexpr int32_t GGML_Q8_0 = 8;
+
+// Squared error that llama.cpp's cache type ref_type (q8_0, q5_1 or q4_0) makes on n_rows rows of
+// n_units values (a multiple of 32): each row Hadamard-rotated in blocks of `rot` units (0: not),
+// as llama.cpp does before quantizing a cache, then quantized and dequantized in blocks of 32 with
+// ggml's reference quantizers (scales rounded to f16).
+double reference_sq_error(const float * rows, size_t n_rows, uint32_t n_units, int32_t ref_type, uint32_t rot);
 
 // Step (in standard deviations) of a layer: linear from first_layer_scale x last to last.
 float layer_step(const QuantKnobs & k, bool is_v, uint32_t layer, uint32_t n_layer);

@@ -84,49 +84,111 @@ void load_values(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32
     }
 }
 
-// Quantizes the whole tensor, group by group; false when a value is not finite.
-bool prepare_lossy(const uint8_t * base, const TensorDesc & t, float rel_step, const std::vector<uint8_t> & is_sink,
-                   TensorEncoder & e) {
+// Rotation llama.cpp applies to a quantized cache before quantizing (llama-kv-cache.cpp): K in
+// blocks of the largest power of two from 64 dividing the head size, V in blocks of 64. The state
+// does not give the head size: the largest such power dividing the row, up to 256, stands in.
+uint32_t reference_rotation(const TensorDesc & t) {
+    if (t.n_units % 64 != 0) {
+        return 0;
+    }
+    uint32_t rot = 64;
+    while (!t.is_v && rot < 256 && t.n_units % (2 * rot) == 0) {
+        rot *= 2;
+    }
+    return rot;
+}
+
+// The error budget of a tensor under knobs with a reference type: ref_scale x the squared error
+// of that llama.cpp cache type on (a sample of) its non-sink rows, per non-sink row.
+double reference_budget(const uint8_t * base, const TensorDesc & t, const QuantKnobs & k,
+                        const std::vector<uint8_t> & is_sink) {
+    constexpr size_t MAX_SAMPLE = 256;  // rows: the error is an average, a sample pins it well
+    const Strides st(t);
+    std::vector<uint32_t> cells;
+    for (uint32_t i = 0; i < t.n_cells; i++) {
+        if (!is_sink[i]) {
+            cells.push_back(i);
+        }
+    }
+    if (cells.empty()) {
+        return 0.0;
+    }
+    const size_t stride = (cells.size() + MAX_SAMPLE - 1) / MAX_SAMPLE;
+    std::vector<float> rows;
+    size_t n_rows = 0;
+    for (size_t c = 0; c < cells.size(); c += stride, n_rows++) {
+        const uint8_t * cell = base + cells[c] * st.cell;
+        for (uint32_t u = 0; u < t.n_units; u++) {
+            rows.push_back(load_float(cell + u * st.unit, t.ggml_type));
+        }
+    }
+    const double err = reference_sq_error(rows.data(), n_rows, t.n_units, k.ref_type, reference_rotation(t));
+    return k.ref_scale * err / static_cast<double>(n_rows);
+}
+
+// Quantizes the whole tensor, group by group; false when a value is not finite. The step of a
+// group is rel x its RMS channel deviation: one step for the group, because equal error in every
+// channel minimizes the group's squared error for its bits (measured: less KL at the same size).
+// rel is the knobs' fixed step, or the one whose squared error (a uniform quantizer's step^2 / 12
+// per value) meets the reference budget.
+bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs & k,
+                   const std::vector<uint8_t> & is_sink, TensorEncoder & e) {
     TensorStats & s = e.stats;
     const size_t n = t.n_cells;
     s.mean_f16.resize(t.n_units);
     s.step_f16.resize(s.n_groups);
     s.shrink_u8.resize(s.n_groups);
     e.sym.resize(n * t.n_units);
-    std::vector<float> values(n * s.group);
-    std::vector<uint8_t> gsym(n * s.group);
-    std::vector<uint32_t> counts(static_cast<size_t>(s.n_groups) * 256, 0);
+    std::vector<float> values(n * t.n_units);  // group by group, each cell-major
+    std::vector<double> mean_d(t.n_units), group_var(s.n_groups);
+    uint64_t count = 0;
+    for (size_t i = 0; i < n; i++) {
+        count += !is_sink[i];
+    }
+    const double n_samples = static_cast<double>(std::max<uint64_t>(count, 1));
     for (uint32_t gi = 0; gi < s.n_groups; gi++) {
         const uint32_t u0 = gi * s.group, gn = std::min(s.group, t.n_units - u0);
-        load_values(base, t, u0, gn, values.data());
+        float * v = &values[n * u0];
+        load_values(base, t, u0, gn, v);
         double sum[MAX_GROUP] = {0}, sum_sq[MAX_GROUP] = {0};
-        uint64_t count = 0;
         for (size_t i = 0; i < n; i++) {
             if (is_sink[i]) {
                 continue;
             }
-            count++;
             for (uint32_t g = 0; g < gn; g++) {
-                const double v = values[i * gn + g];
-                sum[g] += v;
-                sum_sq[g] += v * v;
+                const double x = v[i * gn + g];
+                sum[g] += x;
+                sum_sq[g] += x * x;
             }
         }
-        // One step for the group from its RMS channel deviation: equal error in every channel
-        // minimizes the group's squared error for its bits (measured: less KL at the same size).
-        const double n_samples = static_cast<double>(std::max<uint64_t>(count, 1));
-        double mean_d[MAX_GROUP], var_sum = 0.0;
+        double var_sum = 0.0;
         for (uint32_t g = 0; g < gn; g++) {
             if (!std::isfinite(sum_sq[g])) {
                 return false;
             }
-            mean_d[g] = sum[g] / n_samples;
-            var_sum += std::max(0.0, sum_sq[g] / n_samples - mean_d[g] * mean_d[g]);
+            mean_d[u0 + g] = sum[g] / n_samples;
+            var_sum += std::max(0.0, sum_sq[g] / n_samples - mean_d[u0 + g] * mean_d[u0 + g]);
         }
-        const double step = rel_step * std::sqrt(var_sum / gn);
+        group_var[gi] = var_sum / gn;
+    }
+    double rel = layer_step(k, t.is_v, t.layer, t.n_layer);
+    if (k.ref_type >= 0 && t.n_units % 32 == 0) {
+        double per_row = 0.0;  // sum over units of var: a step of rel * sd costs rel^2 / 12 of it
+        for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+            per_row += group_var[gi] * std::min(s.group, t.n_units - gi * s.group);
+        }
+        const double budget = reference_budget(base, t, k, is_sink);
+        const double ramp = layer_step(k, t.is_v, t.layer, t.n_layer) / (t.is_v ? k.v_step : k.k_step);
+        rel = per_row > 0.0 ? std::sqrt(12.0 * budget / per_row) * ramp : 1.0;
+    }
+    std::vector<uint8_t> gsym(n * s.group);
+    std::vector<uint32_t> counts(static_cast<size_t>(s.n_groups) * 256, 0);
+    for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+        const uint32_t u0 = gi * s.group, gn = std::min(s.group, t.n_units - u0);
+        const double step = rel * std::sqrt(group_var[gi]);
         float mean[MAX_GROUP], inv_step[MAX_GROUP];
         for (uint32_t g = 0; g < gn; g++) {
-            const ChannelQuant cq = channel_quant(mean_d[g], step);
+            const ChannelQuant cq = channel_quant(mean_d[u0 + g], step);
             s.mean_f16[u0 + g] = cq.mean_f16;
             s.step_f16[gi] = cq.step_f16;
             mean[g] = f16_to_f32(cq.mean_f16);
@@ -134,15 +196,15 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, float rel_step, c
         }
         std::vector<Escape> escapes;
         ShrinkSum shrink;
-        quantize_rows(values.data(), n, gn, mean, inv_step, is_sink.data(), gsym.data(), shrink, escapes);
+        quantize_rows(&values[n * u0], n, gn, mean, inv_step, is_sink.data(), gsym.data(), shrink, escapes);
         // Values of a bin lie closer to zero than its centre on average (peaked distributions):
         // the decoder reconstructs |q| - shrink, with the group's measured mean offset.
         const double mean_shrink =
             shrink.count ? static_cast<double>(shrink.fixed) / 65536.0 / static_cast<double>(shrink.count) : 0.0;
         s.shrink_u8[gi] = static_cast<uint8_t>(std::clamp(std::lround(mean_shrink * 256.0), 0L, 127L));
         uint32_t * c = &counts[static_cast<size_t>(gi) * 256];
-        for (size_t k = 0; k < n * gn; k++) {
-            c[gsym[k]]++;
+        for (size_t x = 0; x < n * gn; x++) {
+            c[gsym[x]]++;
         }
         if (t.transposed) {
             for (uint32_t g = 0; g < gn; g++) {
@@ -357,23 +419,13 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
 }
 #endif
 
-void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorStats & s, uint8_t * base,
+void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * base,
                   const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
     const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
     const uint32_t stream_bytes = r.u32();
     const uint8_t * stream = r.take(stream_bytes);
-    std::vector<uint32_t> slots(static_cast<size_t>(s.n_groups) * rans::PROB_SCALE);
-    std::vector<float> mean(obj.n_units), step(s.n_groups), shrink(s.n_groups);
-    for (uint32_t gi = 0; gi < s.n_groups; gi++) {
-        rans::build_decode_slots(s.tables[gi], &slots[static_cast<size_t>(gi) * rans::PROB_SCALE]);
-        step[gi] = f16_to_f32(s.step_f16[gi]);
-        shrink[gi] = static_cast<float>(s.shrink_u8[gi]) * (1.0f / 256.0f);
-    }
-    for (uint32_t u = 0; u < obj.n_units; u++) {
-        mean[u] = f16_to_f32(s.mean_f16[u]);
-    }
-    const LossyDst d{&obj, slots.data(), mean.data(), step.data(), shrink.data(), s.group, base, Strides(dst),
-                     row_cell.data()};
+    const LossyDst d{&obj, dec.slots.data(), dec.mean.data(), dec.step.data(), dec.shrink.data(), dec.stats.group,
+                     base, Strides(dst), row_cell.data()};
     rans::Cursor c = rans::open_stream(stream, stream_bytes);
     std::vector<uint64_t> esc;
     size_t k = 0;
@@ -399,13 +451,13 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorStats & s,
     }
 }
 
-void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorStats & s, uint8_t * base,
+void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * base,
                      const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
+    const TensorStats & s = dec.stats;
     const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
     const Strides ds(dst);
     auto at = [&](RowUnit ru) { return base + row_cell[ru.row] * ds.cell + ru.unit * ds.unit; };
-    std::vector<uint32_t> slots;
-    const rans::Table * tables = s.tables.data();
+    const uint32_t * slots = dec.slots.data();
     for (uint32_t b = 0; b < obj.unit_bytes; b++) {
         if (s.plane_stored[b]) {
             const uint8_t * raw = r.take(n);
@@ -416,18 +468,14 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorStats &
             }
             continue;
         }
-        slots.resize(static_cast<size_t>(s.n_groups) * rans::PROB_SCALE);
-        for (uint32_t gi = 0; gi < s.n_groups; gi++) {
-            rans::build_decode_slots(tables[gi], &slots[static_cast<size_t>(gi) * rans::PROB_SCALE]);
-        }
-        tables += s.n_groups;
         const uint32_t stream_bytes = r.u32();
         rans::Cursor c = rans::open_stream(r.take(stream_bytes), stream_bytes);
         rans::decode_stream(
             c, 0, n_outer(obj), n_inner(obj),
-            [&](size_t o, size_t i) { return &slots[(row_unit(obj, o, i).unit / s.group) * rans::PROB_SCALE]; },
+            [&](size_t o, size_t i) { return slots + (row_unit(obj, o, i).unit / s.group) * rans::PROB_SCALE; },
             [&](size_t o, size_t i, uint8_t v) { at(row_unit(obj, o, i))[b] = v; });
         rans::close_stream(c);
+        slots += static_cast<size_t>(s.n_groups) * rans::PROB_SCALE;
     }
 }
 
@@ -500,13 +548,13 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & t) {
     return s;
 }
 
-void prepare_tensor(const uint8_t * state, const TensorDesc & t, float step, const std::vector<uint8_t> & is_sink,
-                    TensorEncoder & e) {
+void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnobs * knobs,
+                    const std::vector<uint8_t> & is_sink, TensorEncoder & e) {
     const uint8_t * base = state + t.offset;
     TensorStats & s = e.stats;
     s.group = group_size(t.n_cells);
     s.n_groups = (t.n_units + s.group - 1) / s.group;
-    s.lossy = step > 0.0f && ggml_type_info(t.ggml_type)->is_float && prepare_lossy(base, t, step, is_sink, e);
+    s.lossy = knobs != nullptr && ggml_type_info(t.ggml_type)->is_float && prepare_lossy(base, t, *knobs, is_sink, e);
     if (!s.lossy) {
         e = TensorEncoder{};
         s.group = group_size(t.n_cells);
@@ -615,7 +663,30 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     }
 }
 
-void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorStats & s, uint8_t * state,
+TensorDecoder prepare_decoder(TensorStats stats) {
+    TensorDecoder d;
+    d.stats = std::move(stats);
+    const TensorStats & s = d.stats;
+    d.slots.resize(s.tables.size() * rans::PROB_SCALE);
+    for (size_t i = 0; i < s.tables.size(); i++) {
+        rans::build_decode_slots(s.tables[i], &d.slots[i * rans::PROB_SCALE]);
+    }
+    if (s.lossy) {
+        d.mean.resize(s.mean_f16.size());
+        for (size_t u = 0; u < s.mean_f16.size(); u++) {
+            d.mean[u] = f16_to_f32(s.mean_f16[u]);
+        }
+        d.step.resize(s.n_groups);
+        d.shrink.resize(s.n_groups);
+        for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+            d.step[gi] = f16_to_f32(s.step_f16[gi]);
+            d.shrink[gi] = static_cast<float>(s.shrink_u8[gi]) * (1.0f / 256.0f);
+        }
+    }
+    return d;
+}
+
+void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * state,
                  const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
     uint8_t * base = state + dst.offset;
     const Strides ds(dst);
@@ -628,10 +699,10 @@ void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorStats & s, 
         LCG_CHECK(row < obj.n_cells, LCG_ERR_CORRUPT, "exact row %u of %u", row, obj.n_cells);
     }
     const uint8_t * raw = r.take(static_cast<size_t>(n_sink) * obj.n_units * obj.unit_bytes);
-    if (s.lossy) {
-        decode_lossy(r, obj, s, base, dst, row_cell);
+    if (dec.stats.lossy) {
+        decode_lossy(r, obj, dec, base, dst, row_cell);
     } else {
-        decode_lossless(r, obj, s, base, dst, row_cell);
+        decode_lossless(r, obj, dec, base, dst, row_cell);
     }
     for (uint32_t i = 0; i < n_sink; i++) {
         for (uint32_t u = 0; u < obj.n_units; u++) {

@@ -36,18 +36,29 @@ struct TensorEncoder {
     std::vector<rans::EncTable> enc;                  // one per table
 };
 
-// Builds the statistics (and, lossy, the symbols) of tensor t of `state`. Lossy when `step` > 0
-// and the values are finite; cells with is_sink[cell] are kept exact.
-void prepare_tensor(const uint8_t * state, const TensorDesc & t, float step, const std::vector<uint8_t> & is_sink,
-                    TensorEncoder & e);
+// Builds the statistics (and, lossy, the symbols) of tensor t of `state`. Lossy with knobs (NULL:
+// lossless) when the tensor is f32/f16/bf16 and its values are finite; cells with is_sink[cell]
+// are kept exact.
+void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnobs * knobs,
+                    const std::vector<uint8_t> & is_sink, TensorEncoder & e);
 
 // Codes the rows `cells` (state cell indices, in object row order) of tensor t.
 void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncoder & e,
                  const std::vector<uint32_t> & cells, const std::vector<uint8_t> & is_sink, ByteWriter & w);
 
+// Statistics in decode-ready form: tables expanded to decode slots (16 KiB each), values as floats.
+// Built once per statistics object, shared by every chunk that names it.
+struct TensorDecoder {
+    TensorStats stats;
+    std::vector<uint32_t> slots;  // 4096 per table, in stats.tables order
+    std::vector<float> mean;      // lossy: per unit
+    std::vector<float> step, shrink;  // lossy: per group
+};
+TensorDecoder prepare_decoder(TensorStats stats);
+
 // Decodes one tensor section (m = obj.n_cells rows) into the destination tensor `dst` of the
 // state at `state`: object row r goes to dst cell row_cell[r].
-void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorStats & s, uint8_t * state,
+void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * state,
                  const TensorDesc & dst, const std::vector<uint32_t> & row_cell);
 
 } // namespace lcg

@@ -571,7 +571,7 @@ class _Fetched:
     level: str
     chunk: bytes
     meta: ChunkMeta
-    stats: bytes
+    stats: codec.Stats
     fetch_s: float
 
 
@@ -594,7 +594,7 @@ class _ChunkReader:
         self.root = root_key(fingerprint, chunk_tokens).hex()
         self.keys, self.candidates = keys, candidates
         self.ranges = chunk_ranges(len(tokens), chunk_tokens)
-        self._stats: dict[str, bytes] = {}
+        self._stats: dict[str, codec.Stats] = {}
         self.bytes_read = 0
 
     def get_verified(self, key: str, object_id: str, what: str) -> bytes:
@@ -615,9 +615,8 @@ class _ChunkReader:
             self.bytes_read += len(chunk)
             meta = self._check(i, level, chunk)
             if meta.stats_id not in self._stats:
-                self._stats[meta.stats_id] = self.get_verified(
-                    _stats_key(meta.stats_id), meta.stats_id, "statistics"
-                )
+                data = self.get_verified(_stats_key(meta.stats_id), meta.stats_id, "statistics")
+                self._stats[meta.stats_id] = codec.Stats(data, bytes.fromhex(meta.stats_id))
             return _Fetched(level, chunk, meta, self._stats[meta.stats_id], time.perf_counter() - start)
         raise EntryNotFoundError(
             f"chunk {i} ({self.keys[i]}) is stored at none of the levels {', '.join(self.candidates[i])}"
@@ -685,9 +684,7 @@ def _assemble(
                     got = upcoming.result()
                 upcoming = pool.submit(reader.fetch, order[k + 1]) if k + 1 < n_chunks else None
                 start = time.perf_counter()
-                codec.decode_chunk(
-                    got.chunk, got.stats, bytes.fromhex(got.meta.stats_id), state, threads=threads
-                )
+                codec.decode_chunk(got.chunk, got.stats, state, threads=threads)
                 decode_s += time.perf_counter() - start
                 fetch_s += got.fetch_s
                 levels[got.level] = levels.get(got.level, 0) + 1

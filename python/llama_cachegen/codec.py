@@ -27,6 +27,7 @@ SECTION_NAMES: dict[int, str] = {
     for name in ("layout", "verbatim", "tensor", "user_meta", "stats", "stats_ref")
 }
 STATS_ID_BYTES = 32
+_REFERENCE_NAMES = {2: "q4_0", 7: "q5_1", 8: "q8_0"}  # ggml type ids (docs/llama-state.md)
 
 
 def _level(level: str | int) -> int:
@@ -66,6 +67,7 @@ def _params(
     v_step: float | None = None,
     first_layer_scale: float | None = None,
     sink_tokens: int | None = None,
+    error_scale: float | None = None,
 ) -> Any:
     params = ffi.new("lcg_encode_params *", lib.lcg_encode_default_params())
     params.level = _level(level)
@@ -79,6 +81,8 @@ def _params(
         params.first_layer_scale = first_layer_scale
     if sink_tokens is not None:
         params.n_sink_tokens = sink_tokens
+    if error_scale is not None:
+        params.error_scale = error_scale
     return params
 
 
@@ -100,14 +104,17 @@ def encode(
     v_step: float | None = None,
     first_layer_scale: float | None = None,
     sink_tokens: int | None = None,
+    error_scale: float | None = None,
     user_meta: Buffer = b"",
 ) -> bytes:
     """Compresses a llama.cpp state (any supported kind) into a llama-cachegen container.
 
-    `k_step`, `v_step` (in channel standard deviations), `first_layer_scale` and `sink_tokens`
+    A lossy level sets each tensor's step so that its squared error is `error_scale` times the
+    error of llama.cpp's reference cache type for the level (q8_0, q5_1, q4_0) on that tensor.
+    `k_step`, `v_step` (fixed steps in channel standard deviations), `first_layer_scale` and `sink_tokens`
     override the level's preset; `user_meta` is stored verbatim (checksummed) in the container.
     """
-    params = _params(level, threads, kind, k_step, v_step, first_layer_scale, sink_tokens)
+    params = _params(level, threads, kind, k_step, v_step, first_layer_scale, sink_tokens, error_scale)
     meta = _view(user_meta)
     params.user_meta = meta
     params.user_meta_size = len(meta)
@@ -183,6 +190,8 @@ def inspect(blob: Buffer) -> dict[str, Any]:
         v_step=info.v_step,
         first_layer_scale=info.first_layer_scale,
         sink_tokens=info.n_sink_tokens,
+        reference=_REFERENCE_NAMES.get(info.ref_type),
+        error_scale=info.error_scale if info.ref_type >= 0 else None,
         stats_id=bytes(ffi.buffer(info.stats_id, STATS_ID_BYTES)).hex()
         if info.part == lib.LCG_PART_CHUNK
         else None,
@@ -280,19 +289,27 @@ class Chunker:
         return _take(out, out_size)
 
 
-def decode_chunk(
-    chunk: Buffer, stats: Buffer, stats_id: bytes, state: bytearray, *, threads: int | None = None
-) -> None:
+class Stats:
+    """A statistics object opened for decoding chunks: checked once, its tables expanded once.
+
+    `stats_id` is the caller's SHA-256 of `data`; chunks that name another id are refused.
+    """
+
+    def __init__(self, data: Buffer, stats_id: bytes, *, threads: int | None = None) -> None:
+        if len(stats_id) != STATS_ID_BYTES:
+            raise InvalidArgumentError(f"stats_id must be {STATS_ID_BYTES} bytes")
+        src = _view(data)
+        handle = ffi.new("lcg_stats **")
+        check(lib.lcg_stats_open(src, len(src), stats_id, _threads(threads), handle))
+        self._handle = ffi.gc(handle[0], lib.lcg_stats_free)
+        self.id = bytes(stats_id)
+
+
+def decode_chunk(chunk: Buffer, stats: Stats, state: bytearray, *, threads: int | None = None) -> None:
     """Decodes a chunk into its place in `state` (from `skeleton_state`); checksums, layout and the
     statistics id are verified first."""
-    if len(stats_id) != STATS_ID_BYTES:
-        raise InvalidArgumentError(f"stats_id must be {STATS_ID_BYTES} bytes")
-    c, s = _view(chunk), _view(stats)
-    check(
-        lib.lcg_decode_chunk(
-            c, len(c), s, len(s), stats_id, _threads(threads), ffi.from_buffer(state), len(state)
-        )
-    )
+    c, dst = _view(chunk), ffi.from_buffer(state)
+    check(lib.lcg_decode_chunk(c, len(c), stats._handle, _threads(threads), dst, len(state)))
 
 
 def splice(state: bytearray, src: Buffer, begin: int, end: int) -> None:
