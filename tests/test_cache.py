@@ -1,7 +1,9 @@
-"""CompressedStateCache as llama-cpp-python's prompt cache, shared by real processes."""
+"""CompressedStateCache as llama-cpp-python's prompt cache on the chunk store, shared by real
+processes: prefix hits, no generation loss, LRU capacity, killed writers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,24 +12,33 @@ import time
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 import pytest
 from llama_cachegen import codec
 from llama_cachegen.cache import CompressedStateCache
+from llama_cachegen.errors import InvalidArgumentError
 from llama_cachegen.llama import Llama
 from llama_cachegen.model import default_model_path, sample_text
+
+C = 16  # small chunks keep the contexts short
 
 _PROCESS_A = """
 import sys
 from llama_cachegen import CompressedStateCache, Llama
 from llama_cachegen.model import default_model_path
 llm = Llama(str(default_model_path()), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False)
-llm.set_cache(CompressedStateCache(sys.argv[1], level="lossless"))
+llm.set_cache(CompressedStateCache(sys.argv[1], level="lossless", chunk_tokens=16))
 print(llm.create_completion(sys.argv[2], max_tokens=4, temperature=0.0)["choices"][0]["text"])
 """
 
 
-def _llama() -> Llama:
-    return Llama(str(default_model_path()), n_ctx=512, n_threads=2, n_threads_batch=2, verbose=False)
+def _llama(**kwargs: object) -> Llama:
+    params: dict[str, object] = {"n_ctx": 512, "n_threads": 2, "n_threads_batch": 2, "verbose": False}
+    return Llama(str(default_model_path()), **{**params, **kwargs})
+
+
+def _chunk_objects(cache: CompressedStateCache) -> dict[str, bytes]:
+    return {i.key: cache.store.get(i.key) for i in cache.store.list("lcg2/chunks/")}
 
 
 def test_two_processes_share_one_directory(tmp_path: Path) -> None:
@@ -37,9 +48,9 @@ def test_two_processes_share_one_directory(tmp_path: Path) -> None:
         [sys.executable, "-c", _PROCESS_A, store, prompt], check=True, capture_output=True, timeout=300
     )
     llm = _llama()
-    cache = CompressedStateCache(store, level="lossless")
+    cache = CompressedStateCache(store, level="lossless", chunk_tokens=C)
     llm.set_cache(cache)
-    assert len(cache._entries()) == 1 and cache.cache_size > 0
+    assert _chunk_objects(cache) and cache.cache_size > 0
     question = prompt + " What is this text about?"
     llama_cpp.llama_perf_context_reset(llm.ctx)
     text = llm.create_completion(question, max_tokens=6, temperature=0.0)["choices"][0]["text"]
@@ -47,40 +58,77 @@ def test_two_processes_share_one_directory(tmp_path: Path) -> None:
     n_prompt = len(llm.tokenize(question.encode()))
     n_cached = len(llm.tokenize(prompt.encode()))
     evaluated = llama_cpp.llama_perf_context(llm.ctx).n_p_eval
-    assert evaluated <= n_prompt - n_cached + 4  # the cached prefix was restored, not recomputed
+    # the cached prefix was restored, not recomputed: at most the partial last chunk is evaluated again
+    assert evaluated <= n_prompt - n_cached + C + 4
     llm.set_cache(None)
     llm.reset()
     assert llm.create_completion(question, max_tokens=6, temperature=0.0)["choices"][0]["text"] == text
 
 
-@pytest.fixture(scope="module")
-def state() -> llama_cpp.llama.LlamaState:
+def test_hit_extend_save_cycles_never_encode_decoded_kv_again(tmp_path: Path) -> None:
+    """Issue 7's generation loss: 20 hit-extend-save cycles at a lossy level. The chunks of the
+    first context are never rewritten, so the restored prefix stays its first encoding, bit for bit
+    (before, every save re-quantized it: KL 5x after 64 cycles)."""
     llm = _llama()
-    llm.eval(llm.tokenize(b"A short context for cache entries."))
-    return llm.save_state()
+    cache = CompressedStateCache(tmp_path, level="balanced", chunk_tokens=C)
+    llm.set_cache(cache)
+    words = sample_text("gfdl-1.3.txt").split()
+    prompt = " ".join(words[:40])
+    llm.create_completion(prompt, max_tokens=1, temperature=0.0)
+    first = _chunk_objects(cache)
+    tokens = llm.tokenize(prompt.encode())
+    prefix = tokens[: len(tokens) // C * C]
+    restored = cache[prefix].llama_state
+    for i in range(20):
+        prompt += " " + " ".join(words[40 + 3 * i : 43 + 3 * i])
+        llm.reset()  # the prefix comes from the cache, decoded, every time
+        llm.create_completion(prompt, max_tokens=1, temperature=0.0)
+    assert cache.hits == 21
+    now = _chunk_objects(cache)
+    assert {k: now[k] for k in first} == first  # the first context's chunks were never written again
+    assert len(now) > len(first)  # the extensions were stored
+    assert cache[prefix].llama_state == restored
+
+
+@pytest.fixture(scope="module")
+def states() -> list[llama_cpp.llama.LlamaState]:
+    """Five contexts of 2 complete chunks each, differing from their first token."""
+    llm = _llama()
+    words = sample_text("gpl-3.0.txt").split()
+    out = []
+    for i in range(5):
+        llm.reset()
+        llm.eval(llm.tokenize(" ".join(words[10 * i : 10 * i + 30]).encode())[: 2 * C + 3])
+        out.append(llm.save_state())
+    return out
+
+
+def _tokens(state: llama_cpp.llama.LlamaState) -> list[int]:
+    return state.input_ids[: state.n_tokens].tolist()
 
 
 def test_eviction_keeps_the_byte_capacity_and_is_lru(
-    tmp_path: Path, state: llama_cpp.llama.LlamaState
+    tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
 ) -> None:
-    probe = CompressedStateCache(tmp_path / "probe", level="lossless")
-    probe[[1, 2, 3]] = state
+    llm = _llama()
+    probe = CompressedStateCache(tmp_path / "probe", level="lossless", chunk_tokens=C, model=llm)
+    probe[_tokens(states[0])] = states[0]
     entry = probe.cache_size
-    cache = CompressedStateCache(tmp_path / "c", level="lossless", capacity_bytes=int(entry * 3.5))
-    for i in range(3):
-        cache[[100 + i, 1, 2]] = state
+    cache = CompressedStateCache(
+        tmp_path / "c", level="lossless", chunk_tokens=C, capacity_bytes=int(entry * 3.5), model=llm
+    )
+    for s in states[:3]:
+        cache[_tokens(s)] = s
         time.sleep(0.01)
-    assert [100, 1, 2, 7] in cache and cache[
-        [100, 1, 2, 7]
-    ].n_tokens == state.n_tokens  # a hit makes 100 recent
-    for i in range(3, 5):
+    time.sleep(0.01)
+    assert cache[_tokens(states[0])].n_tokens == 2 * C  # a hit makes context 0 recent
+    for s in states[3:]:
         time.sleep(0.01)
-        cache[[100 + i, 1, 2]] = state
+        cache[_tokens(s)] = s
         assert cache.cache_size <= cache.capacity_bytes
-    # least recently used first: 101 and 102 go, 100 (hit after them) stays; FIFO would drop 100
-    kept = {cache._find_longest_prefix_key((100 + i, 1, 2)) for i in range(5)} - {None}
-    assert kept == {(100, 1, 2), (103, 1, 2), (104, 1, 2)}
-    assert [101, 1, 2] not in cache
+    # least recently used first: 1 and 2 go, 0 (hit after them) stays; FIFO would drop 0
+    kept = [i for i, s in enumerate(states) if cache._match(_tokens(s)).chunks == 2]
+    assert kept == [0, 3, 4]
 
 
 _WRITER = """
@@ -90,78 +138,97 @@ from llama_cachegen.model import default_model_path
 llm = Llama(str(default_model_path()), n_ctx=512, n_threads=1, verbose=False)
 llm.eval(llm.tokenize(b"The writer's context, repeated. " * 8))
 state = llm.save_state()
-cache = CompressedStateCache(sys.argv[1], level="lossless")
+cache = CompressedStateCache(sys.argv[1], level="lossless", chunk_tokens=16, model=llm)
 print("ready", flush=True)
-i = 0
-while True:
-    cache[[int(sys.argv[2]), i % 3]] = state  # a few keys over and over, shared by both writers
-    i += 1
+while True:  # both writers empty and refill the same chunks over and over
+    cache.clear()
+    cache[[]] = state
 """
 
 
-def test_killed_writers_leave_no_torn_entry(tmp_path: Path) -> None:
-    """Two writers race on the same keys and are SIGKILLed mid-stream: every visible entry loads."""
-    writers = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WRITER, tmp_path.as_uri(), "7"], stdout=subprocess.PIPE, text=True
-        )
-        for _ in range(2)
-    ]
+def test_killed_writers_leave_no_torn_object(tmp_path: Path) -> None:
+    """Two writers race on the same chunks and are SIGKILLed mid-stream: every visible object is
+    whole, and a lookup is a clean hit or a clean miss."""
+    command = [sys.executable, "-c", _WRITER, tmp_path.as_uri()]
+    writers = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     for w in writers:
-        assert w.stdout.readline().strip() == "ready"
+        assert w.stdout is not None and w.stdout.readline().strip() == "ready"
     time.sleep(1.5)
     for w in writers:
         os.kill(w.pid, signal.SIGKILL)
         w.wait()
-    cache = CompressedStateCache(tmp_path.as_uri())
-    names = cache._entries()
-    assert names
-    for name in names:
-        blob = cache.store.get(name + ".lcg")
-        assert codec.decode(blob)  # every checksum holds
-    for i in range(3):
-        assert cache[[7, i, 5]].n_tokens > 0
-    assert all(p.name.startswith((".tmp-", "default")) for p in tmp_path.iterdir())
+    llm = _llama()
+    cache = CompressedStateCache(tmp_path.as_uri(), level="lossless", chunk_tokens=C, model=llm)
+    for info in cache.store.list("lcg2/"):
+        codec.inspect(cache.store.get(info.key))  # every object is a whole container: checksums hold
+    tokens = llm.tokenize(b"The writer's context, repeated. " * 8)
+    with contextlib.suppress(KeyError):  # killed between a clear and the chunks: a clean miss
+        assert cache[tokens].n_tokens % C == 0
+    cache.store.sweep(max_age_s=0)
+    assert all(p.name.startswith("lcg2") for p in tmp_path.iterdir())
 
 
-def test_cache_is_namespaced_by_model_fingerprint(tmp_path: Path, state: llama_cpp.llama.LlamaState) -> None:
-    unbound = CompressedStateCache(tmp_path)
-    unbound[[1, 2, 3]] = state
-    bound = CompressedStateCache(tmp_path, model=_llama())
-    assert [1, 2, 3] not in bound  # written without a model: not visible to a bound cache
-    bound[[1, 2, 3]] = state
-    assert [1, 2, 3, 4] in bound and bound.namespace != "default"
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["default", bound.namespace])
+def test_cache_needs_its_model_and_keys_embed_the_fingerprint(
+    tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
+) -> None:
+    unbound = CompressedStateCache(tmp_path, chunk_tokens=C)
+    with pytest.raises(InvalidArgumentError, match="model"):
+        unbound[_tokens(states[0])] = states[0]
+    bound = CompressedStateCache(tmp_path, chunk_tokens=C, model=_llama())
+    bound[_tokens(states[0])] = states[0]
+    assert [*_tokens(states[0]), 7] in bound
+    other = CompressedStateCache(tmp_path, chunk_tokens=C, model=_llama(flash_attn=True))
+    assert _tokens(states[0]) not in other and other.namespace != bound.namespace
+    with pytest.raises(KeyError):
+        other[_tokens(states[0])]
 
 
 _DEAD_WRITER = """
 import os, sys
 from llama_cachegen.stores.file import FileStore
-FileStore(sys.argv[1]).begin_write("default/killed.lcg").write(b"x" * int(sys.argv[2]))
+FileStore(sys.argv[1]).begin_write("lcg2/chunks/killed").write(b"x" * int(sys.argv[2]))
 os._exit(0)  # dies mid-write: the temporary stays
 """
 
 
 def test_partial_writes_count_against_capacity_and_dead_ones_go_at_once(
-    tmp_path: Path, state: llama_cpp.llama.LlamaState
+    tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
 ) -> None:
-    probe = CompressedStateCache(tmp_path / "probe", level="lossless")
-    probe[[1, 2, 3]] = state
+    llm = _llama()
+    probe = CompressedStateCache(tmp_path / "probe", level="lossless", chunk_tokens=C, model=llm)
+    probe[_tokens(states[0])] = states[0]
     entry = probe.cache_size
-    cache = CompressedStateCache(tmp_path / "c", level="lossless", capacity_bytes=int(entry * 3.5))
+    cache = CompressedStateCache(
+        tmp_path / "c", level="lossless", chunk_tokens=C, capacity_bytes=int(entry * 3.5), model=llm
+    )
     subprocess.run(
         [sys.executable, "-c", _DEAD_WRITER, str(tmp_path / "c"), str(entry)], check=True, timeout=60
     )
-    live = cache.store.begin_write("default/in-progress.lcg")  # a writer still at work (this process)
+    live = cache.store.begin_write("lcg2/chunks/in-progress")  # a writer still at work (this process)
     live.write(b"x" * entry)
     try:
         assert cache.cache_size == 2 * entry  # both temporaries take space
-        for i in range(3):
-            cache[[200 + i, 1]] = state
+        for s in states[:3]:
+            cache[_tokens(s)] = s
             assert cache.cache_size <= cache.capacity_bytes
         # the dead writer's temporary was swept on the first insert; the live one still counts
         (remaining,) = cache.store.temporaries()
-        assert remaining.key.endswith("-in-progress.lcg")
-        assert len(cache._entries()) == 2  # 3.5 entries of room, one taken by the live write
+        assert remaining.key.endswith("-in-progress")
+        stored = [i for i, s in enumerate(states[:3]) if cache._match(_tokens(s)).chunks == 2]
+        assert stored == [1, 2]  # 3.5 entries of room, one taken by the live write
     finally:
         live.abort()
+
+
+def test_a_damaged_chunk_is_a_miss_and_goes(tmp_path: Path, states: list[llama_cpp.llama.LlamaState]) -> None:
+    cache = CompressedStateCache(tmp_path, level="balanced", chunk_tokens=C, model=_llama())
+    cache[_tokens(states[1])] = states[1]
+    (key, *_) = sorted(i.key for i in cache.store.list("lcg2/chunks/"))
+    blob = bytearray(cache.store.get(key))
+    blob[-5] ^= 0x40
+    cache.store.put(key, bytes(blob))
+    with pytest.raises(KeyError, match="unusable"):
+        cache[_tokens(states[1])]
+    assert not cache.store.exists(key) and (cache.hits, cache.misses) == (0, 1)
+    cache[_tokens(states[1])] = states[1]  # written again, whole
+    assert np.array_equal(cache[_tokens(states[1])].input_ids[: 2 * C], _tokens(states[1])[: 2 * C])

@@ -30,6 +30,10 @@ from llama_cachegen.stores import KEY_ENV, write_url
 
 PROMPT = "The capital of France is"  # SmolLM2: " Paris."
 OTHER = "The capital of Japan is"  # SmolLM2: " Tokyo."
+# prompt-cache tests: 24 tokens, the country inside the first 16-token chunk
+LONG = "In one word, which city is the capital of {}, the country we talk about here? The capital of {} is"
+LONG_PROMPT, LONG_OTHER = LONG.format("France", "France"), LONG.format("Japan", "Japan")
+C = 16
 
 
 def _llama(**kwargs: Any) -> Llama:
@@ -45,7 +49,7 @@ def _answer(llm: llama_cpp.Llama, prompt: str) -> str:
 def reference() -> dict[str, str]:
     """Answers of a context without any cache."""
     llm = _llama()
-    return {p: _answer(llm, p) for p in (PROMPT, OTHER)}
+    return {p: _answer(llm, p) for p in (PROMPT, OTHER, LONG_PROMPT)}
 
 
 _FLASH_WRITER = """
@@ -53,7 +57,7 @@ import sys
 from llama_cachegen import CompressedStateCache, Llama
 from llama_cachegen.model import default_model_path
 llm = Llama(str(default_model_path()), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
-llm.set_cache(CompressedStateCache(sys.argv[1], level="lossless"))
+llm.set_cache(CompressedStateCache(sys.argv[1], level="lossless", chunk_tokens=16))
 llm.create_completion(sys.argv[2], max_tokens=6, temperature=0.0)
 """
 
@@ -61,63 +65,72 @@ llm.create_completion(sys.argv[2], max_tokens=6, temperature=0.0)
 def test_processes_differing_only_in_flash_attention_share_no_entry(
     tmp_path: Path, reference: dict[str, str]
 ) -> None:
-    """The issue's scenario: the flash-attention writer's entry is a miss for the other context,
+    """The issue's scenario: the flash-attention writer's chunks are a miss for the other context,
     which then answers exactly as without a cache (it raised RuntimeError, then answered '-1000.')."""
     subprocess.run(
-        [sys.executable, "-c", _FLASH_WRITER, tmp_path.as_uri(), PROMPT],
+        [sys.executable, "-c", _FLASH_WRITER, tmp_path.as_uri(), LONG_PROMPT],
         check=True,
         capture_output=True,
         timeout=300,
     )
     llm = _llama()
-    cache = CompressedStateCache(tmp_path.as_uri(), level="lossless")
+    cache = CompressedStateCache(tmp_path.as_uri(), level="lossless", chunk_tokens=C)
     llm.set_cache(cache)
     for _ in range(2):
-        assert _answer(llm, PROMPT) == reference[PROMPT]
-    assert cache.hits == 1  # the second completion hits this context's own entry, not the writer's
+        llm.reset()
+        assert _answer(llm, LONG_PROMPT) == reference[LONG_PROMPT]
+    assert cache.hits == 1  # the second completion hits this context's own chunks, not the writer's
     assert model_fingerprint(llm)["flash_attn"] == "disabled"
-    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2  # one namespace each
+    assert len(cache.store.list("lcg2/skeletons/")) == 2  # one per fingerprint: nothing shared
 
 
-def test_entry_llama_cpp_refuses_is_dropped_as_a_miss(tmp_path: Path, reference: dict[str, str]) -> None:
+def _chunk_objects(cache: CompressedStateCache) -> dict[str, bytes]:
+    return {i.key: cache.store.get(i.key) for i in cache.store.list("lcg2/chunks/")}
+
+
+def test_chunks_llama_cpp_refuses_are_dropped_as_a_miss(tmp_path: Path, reference: dict[str, str]) -> None:
     """A flash-attention state filed under this context's fingerprint (no key: any writer can):
-    llama.cpp refuses it, the entry goes, the completion is a miss and is right."""
+    llama.cpp refuses it, its chunks go, the completion is a miss and is right."""
     flash = _llama(flash_attn=True)
-    flash.eval(flash.tokenize(PROMPT.encode()))
+    flash.eval(flash.tokenize(LONG_PROMPT.encode()))
     llm = _llama()
-    cache = CompressedStateCache(tmp_path, level="lossless", model=llm)
-    cache[flash.input_ids[: flash.n_tokens].tolist()] = flash.save_state()
-    (forged,) = cache._entries()
+    cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)
+    cache[[]] = flash.save_state()
+    forged = _chunk_objects(cache)
     llm.set_cache(cache)
-    assert _answer(llm, PROMPT) == reference[PROMPT]
+    assert _answer(llm, LONG_PROMPT) == reference[LONG_PROMPT]
     assert (cache.hits, cache.misses) == (0, 1)
-    assert forged not in cache._entries()  # dropped; the completion filed its own under a longer key
-    assert _answer(llm, PROMPT) == reference[PROMPT]
+    honest = _chunk_objects(cache)  # the completion filed its own chunks under the same keys
+    assert honest.keys() == forged.keys() and all(honest[k] != forged[k] for k in forged)
+    llm.reset()
+    assert _answer(llm, LONG_PROMPT) == reference[LONG_PROMPT]
     assert cache.hits == 1
 
 
-def test_poisoned_entries_are_refused_with_a_key(
+def test_poisoned_chunks_are_refused_with_a_key(
     tmp_path: Path, reference: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The issue's poisoning: the state of the Japan prompt filed under the France prompt's
-    tokens. With a key, the reader refuses the forger's entry and answers from the prompt."""
+    tokens. With a key, the reader refuses the forger's chunks and answers from the prompt."""
     llm = _llama()
-    japan = llm.tokenize(OTHER.encode())
-    france = llm.tokenize(PROMPT.encode())
+    japan = llm.tokenize(LONG_OTHER.encode())
+    france = llm.tokenize(LONG_PROMPT.encode())
+    assert len(japan) == len(france) > C
     llm.eval(japan)
     poisoned = llm.save_state()
     poisoned.input_ids[: len(france)] = france  # claims the France tokens, holds the Japan KV
-    poisoned.n_tokens = len(france)
     llm.reset()
-    forger = CompressedStateCache(tmp_path, level="lossless", model=llm)  # no key
+    forger = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)  # no key
     forger[france] = poisoned
+    assert france in forger  # without a key, a reader would take it
     monkeypatch.setenv(KEY_ENV, "shared secret")
     victim = _llama()
-    cache = CompressedStateCache(tmp_path, level="lossless")
+    cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C)
     victim.set_cache(cache)
-    assert cache.namespace == forger.namespace and [*france, 13] not in cache
-    assert _answer(victim, PROMPT) == reference[PROMPT] == " Paris.\n\nThe United"
-    assert cache.hits == 0
+    assert cache.namespace == forger.namespace
+    assert _answer(victim, LONG_PROMPT) == reference[LONG_PROMPT]
+    assert " Paris" in reference[LONG_PROMPT]
+    assert (cache.hits, cache.misses) == (0, 1)  # refused (AuthenticationError), dropped, a miss
 
 
 def test_load_with_a_key_refuses_a_forged_file_before_touching_the_context(
@@ -244,18 +257,17 @@ def test_every_malformed_envelope_is_corrupt_data(name: str) -> None:
 
 def test_malformed_envelopes_reach_neither_the_context_nor_the_cache(tmp_path: Path) -> None:
     llm = _llama()
-    llm.eval(llm.tokenize(PROMPT.encode()))
+    llm.eval(llm.tokenize(LONG_PROMPT.encode()))
     state = codec.decode(save_compressed_state(llm, level="lossless"))
-    cache = CompressedStateCache(tmp_path, level="lossless", model=llm)
+    cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)
     tokens = llm.input_ids[: llm.n_tokens].tolist()
-    cache[tokens] = llm.save_state()
-    (name,) = cache._entries()
     for bad in ("deep nesting", "string count", "not an object"):
         blob = codec.encode(state, "lossless", kind="full_buffer", user_meta=MALFORMED[bad])
         with pytest.raises(CorruptDataError):
             load_compressed_state(llm, blob)
-        cache.store.put(name + ".lcg", blob)
-        cache.store.put(name + ".tok", np.asarray(tokens, "<i4").tobytes())
-        with pytest.raises(KeyError, match="unusable cache entry"):
+        cache[tokens] = llm.save_state()
+        (key,) = _chunk_objects(cache)
+        cache.store.put(key, blob)  # a container with a malformed header where a chunk should be
+        with pytest.raises(KeyError, match="unusable"):
             cache[tokens]
-        assert not cache._entries()  # dropped
+        assert not _chunk_objects(cache)  # dropped

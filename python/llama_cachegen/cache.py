@@ -1,18 +1,19 @@
-"""A compressed prompt cache for llama-cpp-python (`llm.set_cache(CompressedStateCache(...))`).
+"""A compressed prompt cache for llama-cpp-python (`llm.set_cache(CompressedStateCache(...))`), on
+the chunk store of chunks.py.
 
-Each entry is two store objects under `<namespace>/`: `<name>.lcg`, the compressed context state
-(a llama-cachegen container whose envelope carries the token ids, see llama.py), and `<name>.tok`,
-the entry's key (int32 token ids) for cheap longest-prefix lookups. `<name>` is a hash of the key.
-The state is written first, so a visible key always has its state; eviction removes the key
-first. Stores write atomically, so processes sharing one store never see half an entry. The
-namespace is the model fingerprint once the cache is bound to a model (`model=` or
-`llama_cachegen.Llama.set_cache`), so different models or KV types never meet.
+A cached context is its complete token chunks, content-addressed by the chained keys of its tokens
+under the model fingerprint: a hit assembles the longest run of stored chunks that starts the
+prompt (llama-cpp-python evaluates the rest), a save writes only the chunks the store lacks.
+Decoded K/V is never encoded again, so repeated hit-extend-save cycles lose nothing: the chunks of
+a restored prefix are already stored, and every chunk written holds K/V that llama.cpp computed
+(the partial last chunk of a context is not stored; a hit recomputes fewer than chunk_tokens
+tokens). Processes and hosts sharing one store share every chunk they have in common; keys embed
+the fingerprint, so different models or KV layouts never meet.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,54 +21,42 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_cache import BaseLlamaCache
 
-from . import codec
-from .errors import (
-    AuthenticationError,
-    CacheGenError,
-    CorruptDataError,
-    EntryNotFoundError,
-    ModelMismatchError,
-)
-from .llama import StateMeta, check_fingerprint, fingerprint_key, model_fingerprint
+from . import chunks, codec
+from .errors import CacheGenError, EntryNotFoundError, InvalidArgumentError
+from .llama import StateMeta, fingerprint_key, model_fingerprint
 from .model import cache_dir
-from .stores import EntryInfo, Store, open_store
-
-_STATE, _KEY = ".lcg", ".tok"
+from .stores import Store, open_store
 
 
 class _CachedState(llama_cpp.llama.LlamaState):
-    """A cache hit; `discard` drops its entry if llama.cpp refuses the state after all."""
+    """A cache hit; `discard` drops its chunks if llama.cpp refuses the state after all."""
 
-    def __init__(self, discard: Callable[[], None], **fields: Any) -> None:
+    def __init__(self, discard: Any, **fields: Any) -> None:
         super().__init__(**fields)
         self.discard = discard
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
 class CompressedStateCache(BaseLlamaCache):
-    """llama-cpp-python's prompt cache with compressed states in a shared store.
+    """llama-cpp-python's prompt cache with compressed, shared chunks.
 
     `store` is a store URL (`file://dir`, `redis://…`, `http://…`) or a Store; the default is a
-    folder in the llama-cachegen cache directory. `capacity_bytes` bounds the bytes stored in this
-    cache's namespace, partial writes included; the least recently used entries go first.
+    folder in the llama-cachegen cache directory. Give the cache a store (or folder) of its own:
+    `capacity_bytes` bounds every chunk object in it, partial writes included, and evicts the least
+    recently used first. Chunks hold `chunk_tokens` tokens at `level`.
 
-    A hit is reported only for an entry that passed every check that needs no context: its
-    authentication tag (when the store has a key), its envelope, the fingerprint, its size, its
-    decode. An entry that fails one, or that llama.cpp still refuses (llama_cachegen.Llama), is
-    removed and counts as a miss. An unbound cache (a plain llama_cpp.Llama without `model=`)
-    cannot check the fingerprint: bind it whenever processes with other settings share a store.
+    The cache must know its model (`model=`, or `llama_cachegen.Llama.set_cache` binds it): the
+    fingerprint is part of every key. A hit is reported only once every chunk passed its checks
+    (authentication tag when the store has a key, key chain, tokens, fingerprint, checksums) and
+    decoded; anything that fails, or that llama.cpp still refuses (llama_cachegen.Llama), is
+    removed and counts as a miss.
     """
 
     def __init__(
         self,
         store: str | Path | Store | None = None,
         *,
-        level: str | int = "balanced",
+        level: str = "balanced",
+        chunk_tokens: int = 128,
         capacity_bytes: int = 2 << 30,
         model: llama_cpp.Llama | None = None,
         threads: int | None = None,
@@ -76,167 +65,148 @@ class CompressedStateCache(BaseLlamaCache):
         if store is None:
             store = cache_dir() / "prompt-cache"
         self.store = store if isinstance(store, Store) else open_store(str(store))
-        self.level = level
+        self.level = chunks._check_levels([level])[0]
+        self.chunk_tokens = chunks._check_chunk_tokens(chunk_tokens)
         self.threads = threads
-        self.namespace = "default"
+        self.namespace = "unbound"
         self.hits = self.misses = 0
         self._fingerprint: dict[str, Any] | None = None
         self._n_ctx: int | None = None
-        self._logits_all = False
-        self._keys: dict[str, np.ndarray] = {}  # entry name -> its key; names are content hashes
         if model is not None:
             self.bind(model)
 
     def bind(self, llm: llama_cpp.Llama) -> None:
-        """Ties the cache to `llm`'s model fingerprint: entries of other models are never seen."""
+        """Ties the cache to `llm`'s model fingerprint: chunks of other models are never seen."""
         self._fingerprint = model_fingerprint(llm)
         self.namespace = fingerprint_key(self._fingerprint)
         self._n_ctx = len(llm.input_ids)
-        self._logits_all = bool(llm._logits_all)
 
-    def _entries(self) -> dict[str, list[EntryInfo]]:
-        groups: dict[str, list[EntryInfo]] = {}
-        for info in self.store.list(f"{self.namespace}/"):
-            name, dot, ext = info.key.rpartition(".")
-            if dot and f".{ext}" in (_STATE, _KEY):
-                groups.setdefault(name, []).append(info)
-        return groups
+    def _bound(self) -> dict[str, Any]:
+        if self._fingerprint is None:
+            raise InvalidArgumentError(
+                "CompressedStateCache needs its model: pass model=llm, or use llama_cachegen.Llama.set_cache"
+            )
+        return self._fingerprint
 
     @property
     def cache_size(self) -> int:
-        """Bytes of this namespace's entries and of the partial writes in it."""
-        pending = sum(info.size for info in self.store.temporaries(f"{self.namespace}/"))
-        return pending + sum(info.size for infos in self._entries().values() for info in infos)
+        """Bytes of the chunk objects in the store and of the partial writes in it."""
+        pending = sum(info.size for info in self.store.temporaries(chunks.PREFIX))
+        return pending + sum(info.size for info in self.store.list(chunks.PREFIX))
 
-    def _key_of(self, name: str) -> np.ndarray | None:
-        if name not in self._keys:
-            try:
-                data = self.store.get(name + _KEY)
-            except (EntryNotFoundError, AuthenticationError):  # gone, or not by a holder of the key
-                return None
-            if len(data) % 4:
-                return None  # not ours: the store never holds partial writes
-            self._keys[name] = np.frombuffer(data, dtype="<i4")
-        return self._keys[name]
+    def _match(self, key: Sequence[int]) -> chunks.PrefixMatch:
+        """The stored complete chunks at this cache's level that start `key`."""
+        tokens = np.asarray(key, dtype=np.intc)
+        c = self.chunk_tokens
+        room = tokens.size if self._n_ctx is None else min(tokens.size, self._n_ctx)
+        match = chunks._match(self.store, self._bound(), tokens[: room // c * c], c)
+        match.chunks = next((i for i, lv in enumerate(match.levels) if self.level not in lv), match.chunks)
+        del match.keys[match.chunks :], match.levels[match.chunks :]
+        match.positions = match.chunks * c
+        return match
 
     def _find_longest_prefix_key(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
-        found = self._find(np.asarray(key, dtype="<i4"))
-        return None if found is None else tuple(int(t) for t in found[1])
-
-    def _find(self, key: np.ndarray) -> tuple[str, np.ndarray] | None:
-        best: tuple[str, np.ndarray] | None = None
-        best_len = 0
-        for name, infos in self._entries().items():
-            if not any(i.key.endswith(_KEY) for i in infos):
-                continue
-            tokens = self._key_of(name)
-            if tokens is None or (self._n_ctx is not None and tokens.size > self._n_ctx):
-                continue
-            n = _common_prefix(tokens, key)
-            if n > best_len:
-                best, best_len = (name, tokens), n
-        return best
+        match = self._match(key)
+        return tuple(key[: match.positions]) if match.chunks else None
 
     def __contains__(self, key: Sequence[int]) -> bool:
-        return self._find(np.asarray(key, dtype="<i4")) is not None
+        return self._match(key).chunks > 0
 
     def __getitem__(self, key: Sequence[int]) -> llama_cpp.llama.LlamaState:
-        found = self._find(np.asarray(key, dtype="<i4"))
-        if found is None:
+        fingerprint = self._bound()
+        match = self._match(key)
+        if not match.chunks:
             self.misses += 1
             raise KeyError("no cached prefix")
-        name = found[0]
-        # everything that can be checked without the context is checked here: llama-cpp-python
-        # overwrites its token list before it hands the state to llama.cpp
+        prefix = np.asarray(key[: match.positions], dtype=np.intc)
+        reader = chunks._ChunkReader(
+            self.store, fingerprint, prefix, self.chunk_tokens, match.keys, [(self.level,)] * match.chunks
+        )
+        # everything is checked and decoded here: llama-cpp-python overwrites its token list before
+        # it hands the state to llama.cpp
         try:
-            blob = self.store.get(name + _STATE)
-            meta = StateMeta.unpack(codec.user_meta(blob))
-            if meta.scope != "all":
-                raise CorruptDataError("a prompt-cache entry holds a whole-context state")
-            if self._fingerprint is not None:
-                check_fingerprint(meta.fingerprint, self._fingerprint)
-            cells = int(codec.inspect(blob)["cells"])
-            if self._n_ctx is not None and max(cells, meta.tokens.size) > self._n_ctx:
-                raise ModelMismatchError(f"{cells} KV cells do not fit n_ctx {self._n_ctx}")
-            state = codec.decode(blob, threads=self.threads)
-        except EntryNotFoundError:  # evicted by another process since the lookup
+            state, skeleton, _ = chunks._assemble(reader, None, self.threads)
+            if codec.inspect(skeleton)["kind"] != "full_buffer":
+                raise InvalidArgumentError("the chunks' skeleton is not a whole-context state")
+        except EntryNotFoundError:  # evicted by another process since the lookup: gone for good
+            self._drop(match)
             self.misses += 1
             raise KeyError("cached prefix evicted meanwhile") from None
         except CacheGenError as exc:  # damaged, foreign or forged: drop it and miss rather than fail
-            self._remove(name)
+            self._drop(match)
             self.misses += 1
-            raise KeyError(f"unusable cache entry {name}: {exc}") from exc
-        self.store.touch(name + _STATE)
+            raise KeyError(f"unusable cached prefix: {exc}") from exc
+        used = [chunks._chunk_key(k, self.level) for k in match.keys]
+        used += [chunks._stats_key(i) for i in reader.stats_ids]
+        used.append(chunks._skeleton_key(chunks._sha256(skeleton)))
+        for key_used in used:  # the LRU clock of everything the hit needed
+            self.store.touch(key_used)
         self.hits += 1
-        n_ctx = self._n_ctx or meta.n_ctx
-        input_ids = np.zeros(n_ctx, dtype=np.intc)
-        n = meta.tokens.size
-        input_ids[:n] = meta.tokens
-        n_vocab = (self._fingerprint or meta.fingerprint).get("n_vocab")
-        if not isinstance(n_vocab, int) or n_vocab <= 0:  # unbound, and an envelope without it
-            n_vocab = meta.logits.size if meta.logits is not None else 1
-        logits = meta.logits if meta.logits is not None and meta.logits.size == n_vocab else None
-        # llama-cpp-python broadcasts this one row over the restored rows; only the last one is real
-        scores = (logits if logits is not None else np.zeros(n_vocab, np.single))[None, :]
+        input_ids = np.zeros(self._n_ctx or prefix.size, dtype=np.intc)
+        input_ids[: prefix.size] = prefix
+        n_vocab = int(fingerprint.get("n_vocab") or 1)
+        # no logits travel with chunks: llama-cpp-python evaluates at least the prompt's last token
         return _CachedState(
-            lambda: self._discard(name),
+            lambda: self._discard(match),
             input_ids=input_ids,
-            scores=scores,
-            n_tokens=n,
-            llama_state=state,
+            scores=np.zeros((1, n_vocab), np.single),
+            n_tokens=int(prefix.size),
+            llama_state=bytes(state),
             llama_state_size=len(state),
-            seed=meta.seed if meta.seed is not None else 0,
+            seed=0,
         )
 
-    def _discard(self, name: str) -> None:
-        """An entry llama.cpp refused after all (see llama_cachegen.Llama.load_state): a miss."""
-        self._remove(name)
+    def _drop(self, match: chunks.PrefixMatch) -> None:
+        for k in match.keys:
+            self.store.delete(chunks._chunk_key(k, self.level))
+
+    def _discard(self, match: chunks.PrefixMatch) -> None:
+        """A prefix llama.cpp refused after all (see llama_cachegen.Llama.load_state): a miss."""
+        self._drop(match)
         self.hits -= 1
         self.misses += 1
 
     def __setitem__(self, key: Sequence[int], value: llama_cpp.llama.LlamaState) -> None:
-        key_arr = np.asarray(key, dtype="<i4")
+        fingerprint = self._bound()
         n = int(value.n_tokens)
-        logits = None
-        if self._logits_all and 0 < n <= value.scores.shape[0]:
-            logits = value.scores[n - 1]
+        if n < self.chunk_tokens:
+            return  # no complete chunk
+        state = bytes(value.llama_state[: value.llama_state_size])
+        info = codec.inspect_state(state, "full_buffer")
+        if not info["chunkable"] or info["positions"] != (0, n):
+            return  # several sequences (or a state the tokens do not describe): nothing to share
         meta = StateMeta(
-            fingerprint=self._fingerprint or {},
-            scope="all",
-            seq_id=None,
-            n_ctx=len(value.input_ids),
-            tokens=value.input_ids[:n],
-            logits=logits,
-            seed=value.seed,
+            fingerprint, "all", None, len(value.input_ids), np.asarray(value.input_ids[:n], np.intc)
         )
-        blob = codec.encode(
-            value.llama_state, self.level, threads=self.threads, kind="full_buffer", user_meta=meta.pack()
-        )
-        name = f"{self.namespace}/{hashlib.sha256(key_arr.tobytes()).hexdigest()[:32]}"
-        self.store.put(name + _STATE, blob)
-        self.store.put(name + _KEY, key_arr.tobytes())
-        self._keys[name] = key_arr
+        manifest = chunks.Manifest(meta, self.chunk_tokens)
+        uploads = chunks._Uploads(self.store)
+        try:
+            chunks._save_chunks(
+                self.store,
+                uploads,
+                manifest,
+                state,
+                "full_buffer",
+                (self.level,),
+                self.threads,
+                full_only=True,
+            )
+            uploads.finish()
+        finally:
+            uploads.close()
         self._evict()
-
-    def _remove(self, name: str) -> None:
-        self.store.delete(name + _KEY)  # the key first: lookups stop finding it before the state goes
-        self.store.delete(name + _STATE)
-        self._keys.pop(name, None)
 
     def _evict(self) -> None:
         self.store.sweep()  # leftovers of dead writers go first; the rest still take space
-        groups = self._entries()
-        size = sum(i.size for i in self.store.temporaries(f"{self.namespace}/"))
-        size += sum(i.size for infos in groups.values() for i in infos)
-        # a group's last use is its newest object: orphans of dead writers simply age out
-        order = sorted(groups, key=lambda n: max(i.mtime for i in groups[n]))
-        for name in order:
+        objects = self.store.list(chunks.PREFIX)
+        size = sum(i.size for i in self.store.temporaries(chunks.PREFIX)) + sum(i.size for i in objects)
+        for info in sorted(objects, key=lambda i: i.mtime):
             if size <= self.capacity_bytes:
                 break
-            self._remove(name)
-            size -= sum(i.size for i in groups[name])
+            self.store.delete(info.key)
+            size -= info.size
 
     def clear(self) -> None:
-        """Removes every entry of this cache's namespace."""
-        for name in self._entries():
-            self._remove(name)
+        """Removes every chunk object of the store."""
+        for info in self.store.list(chunks.PREFIX):
+            self.store.delete(info.key)

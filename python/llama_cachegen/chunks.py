@@ -516,12 +516,18 @@ def _save_chunks(
     kind: str,
     levels: tuple[str, ...],
     threads: int | None,
+    *,
+    full_only: bool = False,
 ) -> tuple[int, dict[str, int]]:
+    """Writes the chunks (with `full_only`, only the complete ones), statistics and skeleton the
+    store lacks; chunks already stored are never encoded again."""
     c = manifest.chunk_tokens
     assert c is not None
     tokens, fingerprint = manifest.meta.tokens, manifest.meta.fingerprint
     ranges = chunk_ranges(tokens.size, c)
     keys = chain_keys(fingerprint, tokens, c)
+    if full_only:
+        ranges, keys = ranges[: tokens.size // c], keys[: tokens.size // c]
     manifest.chunks = [ChunkEntry(key, {}) for key in keys]
     skeleton = codec.encode_skeleton(state, kind=kind)
     manifest.skeleton = _sha256(skeleton)
@@ -596,6 +602,11 @@ class _ChunkReader:
         self.ranges = chunk_ranges(len(tokens), chunk_tokens)
         self._stats: dict[str, codec.Stats] = {}
         self.bytes_read = 0
+
+    @property
+    def stats_ids(self) -> list[str]:
+        """The statistics objects fetched so far."""
+        return list(self._stats)
 
     def get_verified(self, key: str, object_id: str, what: str) -> bytes:
         """A content-addressed object whose sha256 must be its id."""
