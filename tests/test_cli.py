@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 import pytest
+from conftest import kv_cache_bytes, seq_buffer
 from llama_cachegen.cli import DEMO_QUESTION
 from llama_cachegen.llama import Llama
 from llama_cachegen.model import default_model_path
@@ -60,6 +62,27 @@ def test_inspect_shows_the_llama_cpp_python_envelope(slot_file: Path) -> None:
     assert envelope["scope"] == "all" and envelope["tokens"] == info["cells"]
     assert envelope["fingerprint"]["arch"] == "llama" and envelope["fingerprint"]["type_k"] == "f16"
     assert "fingerprint:" in _cli("inspect", slot_file.with_name("saved.lcg")).stdout
+
+
+def test_inspect_shows_a_manifest_and_every_cache(slot_file: Path, tmp_path: Path) -> None:
+    llm = Llama(str(default_model_path()), n_ctx=512, n_threads=2, verbose=False)
+    llm.eval(llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 6))
+    llm.save_compressed_state(tmp_path / "a", levels=("balanced", "compact"), chunk_tokens=16)
+    llm.eval(llm.tokenize(b" And then it ran away."))
+    llm.save_compressed_state(tmp_path / "b", levels=("balanced", "compact"), chunk_tokens=16)
+    info = json.loads(_cli("inspect", tmp_path / "b", "--json").stdout)
+    assert info["type"] == "llama-cachegen manifest" and info["levels"] == ["balanced", "compact"]
+    assert info["tokens"] == llm.n_tokens and info["chunks"] == -(-llm.n_tokens // 16)
+    shared = (info["tokens"] - len(llm.tokenize(b" And then it ran away.", add_bos=False))) // 16
+    assert info["chunks stored by earlier saves"] == {"balanced": shared, "compact": shared}
+    # an interleaved sliding-window state: both caches are reported
+    rng = np.random.default_rng(0)
+    iswa = tmp_path / "iswa.bin"
+    iswa.write_bytes(
+        seq_buffer(kv_cache_bytes(rng, cells_per_stream=(9,)) + kv_cache_bytes(rng, cells_per_stream=(5,)))
+    )
+    raw = json.loads(_cli("inspect", iswa, "--json").stdout)
+    assert raw["caches"] == 2 and raw["cells"] == 14 and raw["tensors"] == 8
 
 
 def test_errors_are_reported_not_raised(tmp_path: Path) -> None:

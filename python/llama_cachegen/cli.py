@@ -278,13 +278,44 @@ def _envelope(blob: bytes) -> dict[str, Any] | None:
     }
 
 
+def _manifest_info(data: bytes) -> dict[str, Any]:
+    """What a chunked context's manifest says: chunks, levels and sizes, chunks shared with earlier saves."""
+    from .chunks import Manifest
+
+    m = Manifest.unpack(data)
+    info: dict[str, Any] = {
+        "type": "llama-cachegen manifest",
+        "tokens": int(m.meta.tokens.size),
+        "scope": m.meta.scope,
+        "chunk_tokens": m.chunk_tokens,
+        "levels": list(m.levels),
+        "fingerprint": m.meta.fingerprint,
+    }
+    if m.chunk_tokens is None:
+        info["wholes"] = {level: {"id": i, "bytes": size} for level, (i, size) in m.wholes.items()}
+        return info
+    info["chunks"] = len(m.chunks)
+    info["skeleton"] = m.skeleton
+    info["stats"] = m.stats
+    info["bytes written by this save"] = {
+        level: sum(c.sizes.get(level) or 0 for c in m.chunks) for level in m.levels
+    }
+    info["chunks stored by earlier saves"] = {
+        level: sum(1 for c in m.chunks if level in c.sizes and c.sizes[level] is None) for level in m.levels
+    }
+    return info
+
+
 def _inspect(args: argparse.Namespace) -> int:
     data = read_url(args.file)
     try:
-        info: dict[str, Any] = {"type": "llama-cachegen container", **codec.inspect(data)}
-        envelope = _envelope(data)
-        if envelope is not None:
-            info["llama_cpp_python"] = envelope
+        if data[:4] == b"LCGM":
+            info: dict[str, Any] = _manifest_info(data)
+        else:
+            info = {"type": "llama-cachegen container", **codec.inspect(data)}
+            envelope = _envelope(data)
+            if envelope is not None:
+                info["llama_cpp_python"] = envelope
     except NotAContainerError:
         info = {"type": "llama.cpp state", **codec.inspect_state(data, args.kind)}
     if args.json:
