@@ -57,6 +57,8 @@ _LAZY = {
     "longest_prefix": "chunks",
     "read_manifest": "chunks",
     "save_chunked": "chunks",
+    "load_streaming": "stream",
+    "StreamReport": "stream",
     "CompressedStateCache": "cache",
     "open_store": "stores",
 }

@@ -616,9 +616,10 @@ class _ChunkReader:
             raise CorruptDataError(f"{what} {key!r} does not hash to its id")
         return data
 
-    def fetch(self, i: int) -> _Fetched:
+    def fetch(self, i: int, levels: Sequence[str] | None = None) -> _Fetched:
+        """Chunk i at the first of `levels` (default: its candidates) that the store has."""
         start = time.perf_counter()
-        for level in self.candidates[i]:
+        for level in self.candidates[i] if levels is None else levels:
             try:
                 chunk = self.store.get(_chunk_key(self.keys[i], level))
             except EntryNotFoundError:
@@ -630,7 +631,8 @@ class _ChunkReader:
                 self._stats[meta.stats_id] = codec.Stats(data, bytes.fromhex(meta.stats_id))
             return _Fetched(level, chunk, meta, self._stats[meta.stats_id], time.perf_counter() - start)
         raise EntryNotFoundError(
-            f"chunk {i} ({self.keys[i]}) is stored at none of the levels {', '.join(self.candidates[i])}"
+            f"chunk {i} ({self.keys[i]}) is stored at none of the levels "
+            + ", ".join(self.candidates[i] if levels is None else levels)
         )
 
     def _check(self, i: int, level: str, chunk: bytes) -> ChunkMeta:

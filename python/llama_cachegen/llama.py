@@ -481,10 +481,23 @@ class Llama(llama_cpp.Llama):
         *,
         seq_id: int | None = None,
         level: str | None = None,
+        slo_s: float | None = None,
+        **streaming: Any,
     ) -> LoadReport:
         """A chunked context (manifest) or a whole container, told apart by their magic; see
         `llama_cachegen.load_chunked` and `llama_cachegen.load_compressed_state`. `level` picks
-        one level of a chunked context (default: the best stored per chunk)."""
+        one level of a chunked context (default: the best stored per chunk).
+
+        `slo_s` (seconds to a loaded context) streams a chunked context adaptively instead: per
+        chunk the best level the measured link allows, or text computed here; it returns a
+        StreamReport (a LoadReport). `streaming` goes to `llama_cachegen.load_streaming`
+        (prior_mbps, threads, progress, ...). Without `slo_s` nothing changes."""
+        if slo_s is not None or streaming:
+            from .stream import load_streaming
+
+            if isinstance(src, (bytes, bytearray, memoryview)):
+                raise InvalidArgumentError("slo_s= streams a chunked context, which loads from a URL")
+            return load_streaming(self, src, slo_s=slo_s, level=level, seq_id=seq_id, **streaming)
         if level is not None:
             from .chunks import load_chunked
 
