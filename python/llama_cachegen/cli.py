@@ -1,4 +1,4 @@
-"""`llama-cachegen`: demo, compress, decompress, inspect, eval, serve, llama-server, proxy."""
+"""`llama-cachegen`: demo, compress, decompress, inspect, eval, serve, load, llama-server, proxy."""
 
 from __future__ import annotations
 
@@ -428,6 +428,79 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- load (adaptive streaming) ----------------------------------------------------------------
+
+
+def _load(args: argparse.Namespace) -> int:
+    """Streams a chunked context into a fresh llama.cpp context: a progress bar per chunk, then the
+    report (stream.StreamReport.to_dict with --json)."""
+    from tqdm import tqdm
+
+    from . import chunks
+    from .llama import Llama
+    from .stream import ChunkRecord, load_streaming
+
+    data = read_url(args.url)
+    n_chunks, n_ctx = 1, args.n_ctx
+    if chunks.is_manifest(data):
+        m = chunks.Manifest.unpack(data)
+        n_chunks = max(1, len(m.chunks))
+        n_ctx = n_ctx or int(m.meta.tokens.size) + 256
+    llm = Llama(_model(args.model), n_ctx=n_ctx or 4096, n_threads=args.threads, verbose=False)
+    bar = tqdm(total=n_chunks, unit="chunk", file=sys.stderr, disable=args.json or None)
+
+    def progress(record: ChunkRecord) -> None:
+        rate = record.bytes / record.fetch_ms / 1e3 if record.fetch_ms and record.bytes else 0.0
+        bar.set_postfix_str(f"chunk {record.index}: {record.level}" + (f", {rate:.1f} MB/s" if rate else ""))
+        bar.update(1)
+
+    try:
+        report = load_streaming(
+            llm,
+            args.url,
+            slo_s=args.slo,
+            prior_mbps=args.prior_mbps,
+            level=args.level,
+            threads=args.threads,
+            progress=progress,
+            manifest=data if chunks.is_manifest(data) else None,
+        )
+    finally:
+        bar.close()
+    result = report.to_dict()
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    header = ("chunk", "tokens", "level", "why", "bytes", "fetch ms", "decode ms", "compute ms", "Mbit/s")
+    rows = [header]
+    rows += [
+        (
+            str(c["index"]),
+            f"{c['begin']}-{c['end']}",
+            c["level"],
+            c["reason"],
+            _size(c["bytes"]),
+            f"{c['fetch_ms']:.0f}",
+            f"{c['decode_ms']:.1f}",
+            f"{c['compute_ms']:.0f}",
+            "—" if c["mbps"] is None else f"{c['mbps']:.1f}",
+        )
+        for c in result["chunks"]
+    ]
+    print(_table(rows))
+    slo = "no SLO" if args.slo is None else f"SLO {args.slo:g} s {'met' if report.slo_met else 'MISSED'}"
+    print(
+        f"\n{result['tokens']} tokens loaded in {result['total_ms']:.0f} ms ({slo}); "
+        f"{_size(result['bytes_read'])} read; expected KL {result['expected_kl']:.4f}; "
+        f"levels {result['levels']}"
+    )
+    for line in result["failures"]:
+        print(f"failure: {line}")
+    if result["fallback"]:
+        print(f"fallback: {result['fallback']}")
+    return 0
+
+
 # --- llama-server / proxy ---------------------------------------------------------------------
 
 
@@ -575,6 +648,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--verbose", action="store_true", help="log every request")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("load", help="stream a chunked context into llama.cpp: per chunk a level or text")
+    p.add_argument("url", help="the context's manifest: path or store URL")
+    p.add_argument("--slo", type=_SECONDS, help="seconds to a loaded context (default: best level, no SLO)")
+    p.add_argument("--prior-mbps", type=_number(float, 1e-6, "a positive rate"), help="expected link Mbit/s")
+    p.add_argument("--level", choices=levels, help="one fixed level (no adaptation)")
+    p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--n-ctx", type=_COUNT, help="context size (default: the context's tokens + 256)")
+    _threads_arg(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_load)
 
     # parsed in main (argparse would take the server's options for its own): listed for --help
     p = sub.add_parser(
