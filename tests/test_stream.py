@@ -1,0 +1,257 @@
+"""Adaptive streaming on the real model, through a shaped relay to a real `llama-cachegen serve` and
+redis-server: choices under clearly separated link conditions, text fallback when the link drops
+or the store dies, re-fetch of a chunk damaged on the wire, and an untouched context when the
+load cannot complete. No assertion on how fast anything ran.
+
+llama.cpp runs on one thread here: the relay, the store server and the fetch thread share the two
+cores, and two llama.cpp threads that lose their core spin instead of computing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from llama_cachegen import chunks, stream
+from llama_cachegen.errors import InvalidArgumentError, StoreError
+from llama_cachegen.llama import Llama, capture_state, restore_state
+from llama_cachegen.model import default_model_path
+from llama_cachegen.shaper import Relay, Trace, mbit
+from test_stores import http_server, redis_url  # noqa: F401 - fixtures
+
+N, C = 600, 128  # five chunks, the last one partial
+CHUNKS = -(-N // C)
+LEVELS = ("lossless", "compact")
+FAST = 1e4  # Mbit/s: a prior for links that are not shaped
+
+
+def _llama(**kwargs: Any) -> Llama:
+    params: dict[str, Any] = {"n_ctx": 700, "n_threads": 1, "n_threads_batch": 1, "verbose": False}
+    params.update(kwargs)
+    return Llama(str(default_model_path()), **params)
+
+
+def _greedy(llm: Llama, prompt: list[int]) -> str:
+    return llm.create_completion(prompt, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def original(gpl_tokens: list[int]) -> dict[str, Any]:
+    llm = _llama()
+    prefix = gpl_tokens[:N]
+    llm.eval(prefix)
+    state = capture_state(llm, None)
+    llm._requires_eval = True  # as after a restore: the last token is decoded again, alone
+    greedy = _greedy(llm, prefix)
+    assert restore_state(llm, state, None)  # without the answer's positions
+    llm.n_tokens = N
+    stream.calibrate(llm)  # once for the module: every loader below shares the measurement
+    return {"llm": llm, "prefix": prefix, "state": state, "greedy": greedy}
+
+
+@pytest.fixture(scope="module")
+def stores_saved(original: dict[str, Any], request: pytest.FixtureRequest) -> dict[str, str]:
+    """The context saved losslessly and compactly at C = 128 on the HTTP store and in redis."""
+    llm, urls = original["llm"], {}
+    http = request.getfixturevalue("http_server")[0]
+    redis = request.getfixturevalue("redis_url")
+    for name, url in (("http", f"{http}/ctx"), ("redis", f"{redis}/ctx?prefix=stream{os.getpid()}:")):
+        chunks.save_chunked(llm, url, levels=LEVELS, chunk_tokens=C)
+        urls[name] = url
+    return urls
+
+
+@pytest.fixture(params=["http"])
+def relay(request: pytest.FixtureRequest, stores_saved: dict[str, str]) -> Iterator[tuple[Relay, str]]:
+    """A relay to the store, unshaped until a test sets a trace, and the manifest URL through it."""
+    url = stores_saved[request.param]
+    with Relay(url) as r:
+        yield r, r.url
+
+
+both_stores = pytest.mark.parametrize("relay", ["http", "redis"], indirect=True)
+
+
+@pytest.fixture(scope="module")
+def loader() -> Llama:
+    return _llama()
+
+
+def _at_chunk(index: int, action: Callable[[], None]) -> Callable[[stream.ChunkRecord], None]:
+    """A progress callback that runs `action` once chunk `index` is in the buffer."""
+
+    def progress(record: stream.ChunkRecord) -> None:
+        if record.index == index:
+            action()
+
+    return progress
+
+
+def _continues(loader: Llama, original: dict[str, Any]) -> None:
+    assert loader.n_tokens == N
+    assert _greedy(loader, original["prefix"]) == original["greedy"]
+
+
+@both_stores
+def test_fast_link_loads_every_chunk_at_the_best_level(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    _, url = relay
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST)
+    assert [r.level for r in report.records] == ["lossless"] * CHUNKS
+    assert report.text_chunks == [] and report.failures == [] and report.fallback is None
+    assert report.expected_kl == 0.0 and report.slo_met  # 60 s for 600 tokens on any machine
+    assert capture_state(loader, None) == original["state"]
+    _continues(loader, original)
+    d = report.to_dict()
+    assert d["levels"] == {"lossless": CHUNKS} and len(d["chunks"]) == CHUNKS
+    assert all(c["bytes"] > 0 and c["mbps"] > 0 for c in d["chunks"])
+    json.dumps(d)  # plain data
+
+
+def test_slow_link_takes_lower_levels(relay: tuple[Relay, str], loader: Llama) -> None:
+    """16 Mbit/s: the lossless chunks (~2.5 MB each) would need ~6 s, the compact ones ~1.6 s;
+    the SLO of 4 s sits between. Computing a chunk is assumed slower than fetching any level."""
+    r, url = relay
+    r.set_trace(Trace.constant(mbit(16)))
+    slo = 4.0
+    report = stream.load_streaming(loader, url, slo_s=slo, compute_tps=20.0)
+    levels = [rec.level for rec in report.records]
+    assert levels[0] == "compact" and report.records[0].reason == "first"  # no prior: measure first
+    assert levels.count("compact") >= 3 and stream.TEXT not in levels
+    manifest = chunks.read_manifest(url)
+    lossless = sum(e.sizes["lossless"] for e in manifest.chunks)
+    measured = report.records[-1].mbps
+    assert measured is not None and measured < 100
+    assert lossless * 8 / (measured * 1e6) > slo  # a fixed best level would have missed it
+
+
+@both_stores
+def test_link_dropping_to_near_zero_halfway_computes_the_rest(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    r, url = relay
+    drop = _at_chunk(1, lambda: r.set_trace(Trace.constant(2000.0)))  # 2 kB/s once chunk 1 is in
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST, progress=drop)
+    levels = [rec.level for rec in report.records]
+    assert levels[:2] == ["lossless", "lossless"]
+    assert {3, 4} <= set(report.text_chunks) <= {2, 3, 4}  # chunk 2 may have arrived before the drop
+    assert all(report.records[i].reason == "stalled" for i in report.text_chunks)
+    assert all(report.records[i].compute_ms > 0 for i in report.text_chunks)
+    assert report.to_dict()["text_chunks"] == report.text_chunks
+    assert report.fallback is None and report.expected_kl == 0.0
+    _continues(loader, original)
+
+
+def test_store_dying_mid_stream_is_completed_from_text(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    r, url = relay
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST, progress=_at_chunk(1, r.cut))
+    assert {3, 4} <= set(report.text_chunks) <= {2, 3, 4}
+    assert report.fallback is not None and "computed from text" in report.fallback
+    failed = report.text_chunks[0]
+    assert report.records[failed].retries == 1 and report.records[failed].reason == "failed"
+    assert len(report.failures) == 2 and all("could not be fetched" in f for f in report.failures)
+    _continues(loader, original)
+
+
+def test_chunk_corrupted_on_the_wire_is_fetched_again(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    r, url = relay
+    damage = _at_chunk(0, lambda: r.corrupt(300_000))  # one byte, inside a later chunk's body
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST, progress=damage)
+    assert [rec.level for rec in report.records] == ["lossless"] * CHUNKS and report.fallback is None
+    assert len(report.failures) == 1 and sum(rec.retries for rec in report.records) == 1
+    assert capture_state(loader, None) == original["state"]
+    _continues(loader, original)
+
+
+def test_chunks_corrupted_again_and_again_are_computed(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    r, url = relay
+    damage = _at_chunk(1, lambda: r.corrupt(300_000, every=200_000))
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST, progress=damage)
+    assert report.fallback is not None and len(report.failures) == 2
+    assert report.text_chunks and report.text_chunks[-1] == CHUNKS - 1
+    assert [rec.level for rec in report.records[:2]] == ["lossless"] * 2
+    _continues(loader, original)
+
+
+def test_a_failed_load_without_text_fallback_leaves_the_context(relay: tuple[Relay, str]) -> None:
+    r, url = relay
+    target = _llama()
+    target.eval(target.tokenize(b"An unrelated context that must survive a failed load."))
+    before, n_tokens = capture_state(target, None), target.n_tokens
+    with pytest.raises(StoreError):
+        stream.load_streaming(
+            target, url, slo_s=60.0, prior_mbps=FAST, text_fallback=False, progress=_at_chunk(1, r.cut)
+        )
+    assert capture_state(target, None) == before and target.n_tokens == n_tokens
+    # a store that is down before the manifest: nothing to fall back on, the context stays
+    with pytest.raises(StoreError):
+        stream.load_streaming(target, url, slo_s=60.0)
+    assert capture_state(target, None) == before and target.n_tokens == n_tokens
+
+
+def test_llama_method_streams_with_an_slo(relay: tuple[Relay, str], original: dict[str, Any]) -> None:
+    _, url = relay
+    llm = _llama()
+    report = llm.load_compressed_state(url, slo_s=60.0, prior_mbps=FAST)
+    assert isinstance(report, stream.StreamReport) and report.tokens == N
+    assert report.to_dict()["levels"] == {"lossless": CHUNKS}
+    plain = llm.load_compressed_state(url)  # no slo: the chunked loader, unchanged
+    assert not isinstance(plain, stream.StreamReport) and plain.extra["levels"] == {"lossless": CHUNKS}
+    with pytest.raises(InvalidArgumentError):
+        stream.load_streaming(llm, url, slo_s=-1.0)
+
+
+def test_cli_load_prints_the_report(stores_saved: dict[str, str]) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llama_cachegen",
+            "load",
+            stores_saved["http"],
+            "--slo",
+            "60",
+            "--n-ctx",
+            "700",
+            "--threads",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["tokens"] == N and len(report["chunks"]) == CHUNKS and report["slo_s"] == 60.0
+
+
+# ---- the trace and the relay alone -----------------------------------------------------------------
+
+
+def test_trace_transfer_times() -> None:
+    trace = Trace.steps([(1.0, 1000.0), (2.0, 10.0), (math.inf, 500.0)])
+    assert trace.rate_at(0.5) == 1000.0 and trace.rate_at(1.5) == 10.0 and trace.rate_at(99) == 500.0
+    assert trace.transfer_s(0.0, 500) == pytest.approx(0.5)
+    assert trace.transfer_s(0.5, 520) == pytest.approx(0.5 + 2.0)  # 500 B, then 20 B at 10 B/s
+    assert trace.transfer_s(2.5, 5 + 1000) == pytest.approx(0.5 + 2.0)  # 5 B at 10 B/s, then 500 B/s
+    assert Trace.constant(math.inf).transfer_s(3.0, 1e12) == 0.0
+    rates = [r for _, r in Trace.random(10.0, 1000.0, 0.1, seed=1, duration_s=10).segments]
+    assert len(rates) == 100 and min(rates) >= 10.0 and max(rates) <= 1000.0 and np.std(np.log(rates)) > 0.5
+    with pytest.raises(InvalidArgumentError):
+        Trace.steps([(1.0, 0.0)])
