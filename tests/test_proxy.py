@@ -196,7 +196,7 @@ class Cluster:
         port = _free_port()
         log = open(self.root / f"server-{name}.log", "wb")  # noqa: SIM115 - kept for the process
         proc = subprocess.Popen(
-            [str(self.binary), "-m", str(default_model_path()), "-c", str(N_CTX), "-np", "1", "-t", "2",
+            [str(self.binary), "-m", str(default_model_path()), "-c", str(N_CTX), "-np", "1", "-t", "1",
              "-b", "512", "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(slot_dir),
              "--cache-ram", "0", "--no-warmup"],
             stdout=log, stderr=subprocess.STDOUT,
