@@ -134,13 +134,22 @@ def test_eval_reports_quality_per_level_and_llama_cpp_types() -> None:
         "balanced",
         "--cache-types",
         "q8_0",
+        "q5_1",
         "--json",
     )
-    rows = {r["method"]: r for r in json.loads(proc.stdout)["rows"]}
-    assert set(rows) == {"llama-cachegen lossless", "llama-cachegen balanced", "llama.cpp q8_0"}
+    result = json.loads(proc.stdout)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {
+        "llama-cachegen lossless",
+        "llama-cachegen balanced",
+        "llama.cpp q8_0",
+        "llama.cpp q5_1",
+    }
     assert rows["llama-cachegen lossless"]["kl"] < 1e-9 and rows["llama-cachegen lossless"]["top1"] == 1.0
     assert rows["llama-cachegen balanced"]["ratio"] > rows["llama-cachegen lossless"]["ratio"]
-    assert 0 < rows["llama.cpp q8_0"]["kl"] < 0.1
+    assert 0 < rows["llama.cpp q8_0"]["kl"] < rows["llama.cpp q5_1"]["kl"] < 0.1
+    (promise,) = result["promises"].values()  # balanced vs q5_1: the verdict follows the figures
+    assert promise["reference"] == "q5_1" and promise["holds"] == (promise["kl"] <= promise["reference_kl"])
 
 
 def test_in_place_overwrite_needs_force_and_is_atomic(slot_file: Path, tmp_path: Path) -> None:

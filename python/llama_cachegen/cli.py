@@ -337,6 +337,10 @@ def _inspect(args: argparse.Namespace) -> int:
 # --- eval ------------------------------------------------------------------------------------
 
 
+# each lossy level promises at most the KL of this llama.cpp cache type (README, "Levels")
+LEVEL_PROMISES = {"high": "q8_0", "balanced": "q5_1", "compact": "q4_0"}
+
+
 def _eval(args: argparse.Namespace) -> int:
     from .quality import compare_logits, continuation_logits, make_llama, state_of
 
@@ -368,14 +372,20 @@ def _eval(args: argparse.Namespace) -> int:
                 **metrics,
             }
         )
+    if args.cache_types:
+        # llama.cpp quantizes the V cache only with flash attention: the cache types are compared
+        # with an f16 cache computed the same way (flash on vs off alone differs by a noise floor)
+        _progress("f16 cache with flash attention")
+        fllm = make_llama(model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True)
+        fa_ref = continuation_logits(fllm, None, prefix, cont)
+        fllm.close()
     for name in args.cache_types:
         _progress(f"llama.cpp cache type {name}")
-        # llama.cpp quantizes the V cache only with flash attention
         qllm = make_llama(
             model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True, type_k=name, type_v=name
         )
         qstate = state_of(qllm, prefix)
-        metrics = compare_logits(ref, continuation_logits(qllm, qstate, prefix, cont), cont)
+        metrics = compare_logits(fa_ref, continuation_logits(qllm, qstate, prefix, cont), cont)
         qllm.close()
         rows.append(
             {
@@ -385,6 +395,18 @@ def _eval(args: argparse.Namespace) -> int:
                 **metrics,
             }
         )
+    kl = {r["method"]: r["kl"] for r in rows}
+    promises = {
+        level: {
+            "reference": ref_type,
+            "kl": kl[f"llama-cachegen {level}"],
+            "reference_kl": kl[f"llama.cpp {ref_type}"],
+        }
+        for level, ref_type in LEVEL_PROMISES.items()
+        if f"llama-cachegen {level}" in kl and f"llama.cpp {ref_type}" in kl
+    }
+    for p in promises.values():
+        p["holds"] = p["kl"] <= p["reference_kl"]
     result = {
         "model": model,
         "text": args.text,
@@ -392,6 +414,7 @@ def _eval(args: argparse.Namespace) -> int:
         "cont": len(cont),
         "state_bytes": len(state),
         "rows": rows,
+        "promises": promises,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -413,6 +436,12 @@ def _eval(args: argparse.Namespace) -> int:
         for r in rows
     ]
     print(_table(table))
+    for level, p in promises.items():
+        verdict = "holds" if p["holds"] else "DOES NOT HOLD"
+        print(
+            f"{level}: KL {p['kl']:.4f} vs llama.cpp {p['reference']}'s {p['reference_kl']:.4f}: "
+            f"the promise (at most {p['reference']}'s KL) {verdict} on this model and text"
+        )
     return 0
 
 
@@ -626,7 +655,12 @@ def _parser() -> argparse.ArgumentParser:
     _llama_args(p, 1024)
     p.add_argument("--cont", type=_COUNT, default=256, help="teacher-forced continuation tokens")
     p.add_argument("--levels", nargs="+", choices=levels, default=levels)
-    p.add_argument("--cache-types", nargs="*", default=["q8_0", "q4_0"], help="llama.cpp KV types to compare")
+    p.add_argument(
+        "--cache-types",
+        nargs="*",
+        default=list(LEVEL_PROMISES.values()),
+        help="llama.cpp KV types to compare (default: each level's reference)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_eval)
 
