@@ -130,7 +130,7 @@ def test_absurd_sizes_are_refused_before_allocating(blob: bytes) -> None:
 
 def test_forged_layout_is_inconsistent(blob: bytes) -> None:
     layout = next((off, size) for t, _, off, size in sections(blob) if t == 1)
-    for field_offset, value in ((4, 1 << 31), (8, 1 << 31), (28 + 16, 1 << 30), (28 + 20, 3), (28 + 24, 0)):
+    for field_offset, value in ((4, 1 << 31), (8, 1 << 31), (36 + 16, 1 << 30), (36 + 20, 3), (36 + 24, 0)):
         bad = bytearray(blob)
         struct.pack_into("<I", bad, layout[0] + field_offset, value)
         with pytest.raises(lcg.CorruptDataError):
