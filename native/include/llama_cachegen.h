@@ -62,13 +62,14 @@ typedef enum {
     LCG_ERR_INTERNAL            = -11  /* a bug: please report with the message                    */
 } lcg_status;
 
-/* Quality levels: steps of the quantizer in channel-group standard deviations (README has the
- * measured size and KL of each on SmolLM2-135M). */
+/* Quality levels. A lossy level promises at most the KL divergence of one of llama.cpp's quantized
+ * KV cache types and sets each tensor's step from the error that cache type makes on that tensor
+ * (README, "Levels", has the measured sizes: ~1.9x, ~3.9x, ~5.8x smaller than f16 on SmolLM2). */
 typedef enum {
     LCG_LEVEL_LOSSLESS = 0, /* bit-exact                                                       */
-    LCG_LEVEL_HIGH     = 1, /* about llama.cpp's q8_0 cache quality, ~3x smaller than f16        */
-    LCG_LEVEL_BALANCED = 2, /* KL below the q5_1 cache, ~4.6x (the default)                      */
-    LCG_LEVEL_COMPACT  = 3  /* KL below the q4_0 cache, ~6.1x                                    */
+    LCG_LEVEL_HIGH     = 1, /* KL at most the q8_0 cache's                                       */
+    LCG_LEVEL_BALANCED = 2, /* KL at most the q5_1 cache's (the default)                         */
+    LCG_LEVEL_COMPACT  = 3  /* KL at most the q4_0 cache's                                       */
 } lcg_level;
 
 /* Which llama.cpp state a buffer holds. */
