@@ -93,6 +93,8 @@ class ChunkRecord:
     compute_ms: float = 0.0  # restore of the chunks before it + prefill + read back + splice
     mbps: float | None = None  # the bandwidth estimate (Mbit/s) the choice was made with
     retries: int = 0
+    fetch_at_ms: float | None = None  # when the fetch used began, from the load's start
+    decode_at_ms: float | None = None  # when its decode (or computation) began
 
 
 @dataclass
@@ -106,7 +108,8 @@ class StreamReport(LoadReport):
     failures: list[str] = field(default_factory=list)  # every fetch or decode that failed, in order
     fallback: str | None = None  # why the rest of the context was computed from text, if it was
     total_ms: float = 0.0  # from the manifest's read to the restored context
-    assemble_ms: float = 0.0  # skeleton fetched to buffer complete (fetch, decode, compute overlapped)
+    assemble_ms: float = 0.0  # manifest read to buffer complete (fetch, decode, compute overlapped)
+    skeleton_ms: float = 0.0  # of which fetching the skeleton (before any chunk)
     calibrate_ms: float = 0.0  # measuring prefill speed (once per process and model; not in total_ms)
     compute_tps: float | None = None  # prefill tokens/s the choices used
     expected_kl: float = 0.0  # token-weighted mean of kl_table over the chunks
@@ -132,6 +135,7 @@ class StreamReport(LoadReport):
             "slo_met": self.slo_met,
             "total_ms": self.total_ms,
             "assemble_ms": self.assemble_ms,
+            "skeleton_ms": self.skeleton_ms,
             "restore_ms": self.restore_ms,
             "calibrate_ms": self.calibrate_ms,
             "bytes_read": self.bytes_read,
@@ -214,9 +218,12 @@ class _Job:
     """One chunk fetch on its own daemon thread (a fetch stuck on a dead link is left to finish or
     fail on its own; the load goes on without it)."""
 
-    def __init__(self, reader: chunks._ChunkReader, index: int, level: str) -> None:
+    def __init__(
+        self, reader: chunks._ChunkReader, index: int, level: str, fetch: Callable[[], Any] | None = None
+    ) -> None:
         self.index, self.level = index, level
-        self.result: chunks._Fetched | None = None
+        self._fetch = fetch or (lambda: reader.fetch(index, (level,)))
+        self.result: Any = None
         self.error: BaseException | None = None
         self.bytes = 0
         self.abandoned = False
@@ -229,7 +236,7 @@ class _Job:
     def _run(self) -> None:
         before = self._reader.bytes_read
         try:
-            self.result = self._reader.fetch(self.index, (self.level,))
+            self.result = self._fetch()
         except BaseException as exc:  # noqa: BLE001 - handed to the loader's thread
             self.error = exc
         self.bytes = self._reader.bytes_read - before
@@ -296,6 +303,7 @@ class _Loader:
         self.state: bytearray | None = None
         self.skeleton = b""
         self.per_token = 0.0  # f16 state bytes per position
+        self.skeleton_s = 0.0
 
     # -- estimates --
 
@@ -454,11 +462,13 @@ class _Loader:
             self._sample(job)
             rec.bytes += job.bytes
             rec.fetch_ms = job.seconds * 1e3
+            rec.fetch_at_ms = (job.start - self.t0) * 1e3
             error: BaseException | None = job.error
             if error is None:
                 assert job.result is not None
                 self._feed(i)  # the link is free: the next fetch runs while this chunk decodes
                 start = time.perf_counter()
+                rec.decode_at_ms = (start - self.t0) * 1e3
                 try:
                     codec.decode_chunk(job.result.chunk, job.result.stats, self.state, threads=self.threads)
                 except CacheGenError as exc:
@@ -484,6 +494,7 @@ class _Loader:
         rec = self.records[i]
         b, e = rec.begin, rec.end
         start = time.perf_counter()
+        rec.decode_at_ms = (start - self.t0) * 1e3
         if self.backup is None:
             self.backup = (self._capture(),)
         memory = llama_cpp.llama_get_memory(self.llm.ctx)
@@ -519,8 +530,15 @@ class _Loader:
         if saved is None or not restore_state(self.llm, saved, self.target):
             _forget(self.llm, self.target)
 
-    def assemble(self) -> None:
-        self.skeleton = self._skeleton()
+    def assemble(self) -> bool:
+        """Fills the buffer (True), or the context itself when there is no skeleton (False)."""
+        start = time.perf_counter()
+        skeleton = self._skeleton()
+        self.skeleton_s = time.perf_counter() - start
+        if skeleton is None:
+            self._compute_all()
+            return False
+        self.skeleton = skeleton
         n = int(self.tokens.size)
         bound = chunks._state_bound(self.reader.fingerprint, n, self.skeleton)
         self.state = codec.skeleton_state(self.skeleton, n, max_size=bound)
@@ -546,18 +564,60 @@ class _Loader:
                 self._compute(i)
             if self.progress is not None:
                 self.progress(self.records[i])
+        return True
 
-    def _skeleton(self) -> bytes:
-        assert self.m.skeleton is not None
-        key = chunks._skeleton_key(self.m.skeleton)
+    def _skeleton(self) -> bytes | None:
+        """The skeleton, fetched once more if that fails; None when it failed twice or stalled
+        (longer than computing the first chunk) and text may be computed."""
+        skeleton_id = self.m.skeleton
+        assert skeleton_id is not None
+        key = chunks._skeleton_key(skeleton_id)
         for attempt in (0, 1):
-            try:
-                return self.reader.get_verified(key, self.m.skeleton, "skeleton")
-            except (CacheGenError, OSError) as exc:
-                self.failures.append(f"skeleton could not be fetched: {type(exc).__name__}: {exc}")
-                if attempt:
-                    raise
-        raise AssertionError
+            job = _Job(
+                self.reader, -1, "skeleton", lambda: self.reader.get_verified(key, skeleton_id, "skeleton")
+            )
+            self.current = job
+            stall = self.adapt and self.text_ok
+            if not job.done.wait(max(0.2, self._text_s(0)) if stall else None):
+                job.abandoned = True
+                self.failures.append(f"skeleton stalled ({job.seconds:.1f} s)")
+                self.fallback = "the skeleton did not arrive: every chunk computed from text"
+                return None
+            self.current = None
+            if job.error is None:  # no throughput sample: a small object measures latency
+                return job.result
+            exc = job.error
+            self.failures.append(f"skeleton could not be fetched: {type(exc).__name__}: {exc}")
+            if attempt and not self.text_ok:
+                raise exc
+        self.fallback = "the skeleton could not be fetched: every chunk computed from text"
+        return None
+
+    def _compute_all(self) -> None:
+        """Every chunk computed into the context itself (no skeleton, so no buffer)."""
+        self.backup = (self._capture(),)
+        memory = llama_cpp.llama_get_memory(self.llm.ctx)
+        _forget_kv(memory, self.target)
+        seq = 0 if self.target is None else self.target
+        for rec in self.records:
+            start = time.perf_counter()
+            rec.level, rec.reason, rec.mbps = TEXT, "failed", self._mbps()
+            rec.decode_at_ms = (start - self.t0) * 1e3
+            _decode_tokens(
+                self.llm.ctx, self.tokens[rec.begin : rec.end], rec.begin, seq, int(self.llm.n_batch)
+            )
+            rec.compute_ms = (time.perf_counter() - start) * 1e3
+            if self.progress is not None:
+                self.progress(rec)
+
+
+def _set_tokens(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) -> None:
+    """llama-cpp-python's token list after the context was computed in place (as _restore sets it)."""
+    if target in (None, 0):
+        n = int(tokens.size)
+        llm.input_ids[:n] = tokens
+        llm.n_tokens = n
+        llm._requires_eval = True
 
 
 def _forget_kv(memory: Any, target: int | None) -> None:
@@ -641,10 +701,13 @@ def load_streaming(
         )
         t1 = time.perf_counter()
         try:
-            loader.assemble()
-            assert loader.state is not None
+            buffered = loader.assemble()
             t2 = time.perf_counter()
-            chunks._restore(llm, loader.state, target, tokens, m.meta.logits)
+            if buffered:
+                assert loader.state is not None
+                chunks._restore(llm, loader.state, target, tokens, m.meta.logits)
+            else:
+                _set_tokens(llm, target, tokens)
         except BaseException:
             loader.rollback()
             raise
@@ -656,8 +719,8 @@ def load_streaming(
         tokens=int(tokens.size) if target in (None, 0) else 0,
         cells=int(tokens.size),
         bytes_read=bytes_read,
-        state_bytes=len(loader.state),
-        ratio=len(loader.state) / bytes_read,
+        state_bytes=len(loader.state or b""),
+        ratio=len(loader.state or b"") / bytes_read,
         read_ms=(t1 - t0) * 1e3 + sum(r.fetch_ms for r in records),
         decode_ms=sum(r.decode_ms for r in records),
         restore_ms=(t3 - t2) * 1e3,
@@ -671,6 +734,7 @@ def load_streaming(
         fallback=loader.fallback,
         total_ms=(t3 - t0) * 1e3,
         assemble_ms=(t2 - t1) * 1e3,
+        skeleton_ms=loader.skeleton_s * 1e3,
         calibrate_ms=calibrate_s * 1e3,
         compute_tps=loader.tps,
         expected_kl=kl,
