@@ -10,24 +10,26 @@ decode releases the GIL) or computes it. Per chunk it chooses, when the fetch ca
   once, a recovery over a few chunks); before any chunk arrived, `prior_mbps`, else the first chunk
   goes at the smallest level stored to measure the link;
 - "text" when even the smallest level would arrive later than llama.cpp computes the chunk
-  (CacheGen's rule). Prefill speed is measured once per model and thread count on a scratch
-  context (`calibrate`), kept for the process, and refined by every chunk computed;
+  (CacheGen's rule), counting the text chunks this thread already has to compute first: a slow
+  link then gets text and fetched chunks in parallel, not every chunk computed in turn. Prefill
+  speed is measured once per model and thread count on a scratch context (`calibrate`), kept for
+  the process, and refined by every chunk computed;
 - else the best level whose predicted time for every chunk left (their sizes from the manifest;
   sizes it lacks estimated from the other chunks of that level) fits what is left of `slo_s`;
 - when no level fits, text again if the CPU would be done with that chunk (and the chunks it
   already computes) before the link is done with the rest: computed chunks then overlap fetched
   ones, which CacheGen's rule leaves unused. Else the smallest level.
 
-A fetch that takes longer than computing its chunk (and twice its prediction) is abandoned and
-the chunk computed: a link that stalls without failing costs one chunk's compute time, not a
-read timeout. A chunk that fails (connection reset, timeout, missing object, bad checksum or tag,
-an object of another model) is fetched once more; if that fails too, the rest is computed from
-text. A text chunk is computed by llama.cpp on top of the chunks before it (restored from the
-buffer), read back and spliced into the buffer; later chunks can still be fetched. The context
-is touched by text chunks only, and is put back as it was if the load fails; it takes the
-assembled state in one llama.cpp call at the end (chunks._restore), llama-cpp-python's tokens
-and last logits with it. `slo_s` None: no adaptation, the best level stored per chunk (or
-`level`), text only for failures.
+A fetch that takes twice as long as computing its chunk (and twice its prediction) is abandoned
+and the chunk computed: a link that stalls without failing costs a few chunks' compute time, not a
+read timeout, and a link that only slows down for a while is waited for. A chunk that fails
+(connection reset, timeout, missing object, bad checksum or tag, an object of another model) is
+fetched once more; if that fails too, the rest is computed from text. A text chunk is computed by
+llama.cpp on top of the chunks before it (restored from the buffer), read back and spliced into
+the buffer; later chunks can still be fetched. The context is touched by text chunks only, and is
+put back as it was if the load fails; it takes the assembled state in one llama.cpp call at the
+end (chunks._restore), llama-cpp-python's tokens and last logits with it. `slo_s` None: no
+adaptation, the best level stored per chunk (or `level`), text only for failures.
 
 Expected quality: the token-weighted mean of a per-level KL figure (`LEVEL_KL`, measured by
 bench/streaming.py on SmolLM2-135M over a 256-token teacher-forced continuation; "text" and
@@ -63,13 +65,19 @@ from .llama import (
 )
 
 TEXT = "text"
-# mean KL(f16 || level) per token, bench/streaming.py on SmolLM2-135M (gpl-3.0.txt, 1024 tokens)
-LEVEL_KL: dict[str, float] = {TEXT: 0.0, "lossless": 0.0, "high": 0.003, "balanced": 0.012, "compact": 0.03}
+# mean KL(f16 || level) per token, bench/streaming.py on SmolLM2-135M (gpl-3.0.txt, 768 tokens)
+LEVEL_KL: dict[str, float] = {
+    TEXT: 0.0,
+    "lossless": 0.0,
+    "high": 0.0036,
+    "balanced": 0.0067,
+    "compact": 0.031,
+}
 # state bytes per level, as a fraction of f16: for chunks whose size no manifest recorded
 _GUESS_RATIO = {"lossless": 0.85, "high": 0.48, "balanced": 0.3, "compact": 0.22}
-_SMOOTHING = 0.5  # weight of the newest throughput sample
+_SMOOTHING = 0.3  # weight of the newest throughput sample (and prefill speed)
 _SLO_SHARE = 0.9  # plans fit this share of the time left: estimates are noisy
-_ABANDON_FACTOR = 2.0  # a fetch may take this many times its prediction before it is abandoned
+_ABANDON_FACTOR = 2.0  # a fetch may take this many times its prediction, or the chunk's compute time
 _LOOKAHEAD = 2  # chunks decided (fetched or planned as text) ahead of the one being assembled
 _CALIBRATION_TOKENS = 128
 _RESTORE_BPS = 2e9  # llama.cpp's set_data copies about this many state bytes per second
@@ -358,13 +366,13 @@ class _Loader:
         if self.inv_bw is None and self.oracle is None:
             return levels[-1], "first"
         smallest = levels[-1]
-        if self.text_ok and self._net_s(self._size(j, smallest)) > self._text_s(j):
+        cpu_s = self._pending_text_s(i)  # the text chunks this thread computes before chunk j
+        if self.text_ok and cpu_s + self._text_s(j) < self._net_s(self._size(j, smallest)):
             return TEXT, "slow link"
         assert self.slo_s is not None
         undecided = [k for k in range(j, len(self.plan)) if self.plan[k] is None]
         restore_s = len(self.state or b"") / _RESTORE_BPS
         budget = _SLO_SHARE * (self.slo_s - (time.perf_counter() - self.t0)) - restore_s
-        cpu_s = self._pending_text_s(i)
         for level in levels:
             if not all(level in self.levels[k] for k in undecided):
                 continue
@@ -412,10 +420,9 @@ class _Loader:
         if not (self.adapt and self.text_ok):
             return None  # the store's own timeouts apply
         text_s = self._text_s(job.index)
-        if self.inv_bw is None and self.oracle is None:
-            return job.start + _ABANDON_FACTOR * text_s
-        predicted = self._net_s(self._size(job.index, job.level))
-        return job.start + max(text_s, _ABANDON_FACTOR * predicted)
+        if self.inv_bw is not None or self.oracle is not None:
+            text_s = max(text_s, self._net_s(self._size(job.index, job.level)))
+        return job.start + _ABANDON_FACTOR * text_s
 
     def _wait(self, job: _Job) -> bool:
         """Waits for `job` until its deadline; False when it was abandoned."""
