@@ -1,7 +1,8 @@
 // common.h -- errors, bounded byte I/O, CRC32C, half-float conversion, a parallel loop.
-// Depends on nothing but the public header; every other stage includes it.
+// Depends on nothing but the public header and lanes.h; every other stage includes it.
 #pragma once
 
+#include "lanes.h"
 #include "llama_cachegen.h"
 
 #include <cstddef>
@@ -100,36 +101,9 @@ inline float bf16_to_f32(uint16_t h) {
     std::memcpy(&f, &u, 4);
     return f;
 }
-// Round to nearest even, as F16C's vcvtps2ph: the SIMD paths give the same bits.
-inline uint16_t f32_to_f16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    const uint32_t sign = (u >> 16) & 0x8000;
-    u &= 0x7fffffff;
-    if (u >= 0x7f800000u) {  // inf or nan
-        return static_cast<uint16_t>(sign | 0x7c00 | (u > 0x7f800000u ? 0x200 : 0));
-    }
-    if (u >= 0x477ff000u) {  // rounds to >= 65520: overflow
-        return static_cast<uint16_t>(sign | 0x7c00);
-    }
-    if (u < 0x38800000u) {  // below the smallest normal half: subnormal or zero
-        const float a = std::fabs(f) * 16777216.0f;  // in units of 2^-24
-        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a)));
-    }
-    const uint32_t mant_odd = (u >> 13) & 1;
-    u += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round to nearest even
-    return static_cast<uint16_t>(sign | (u >> 13));
-}
-
-inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000u) {
-        return static_cast<uint16_t>((u >> 16) | 0x40);  // keep nan a nan
-    }
-    u += 0x7fff + ((u >> 16) & 1);
-    return static_cast<uint16_t>(u >> 16);
-}
+// Round to nearest even (the SIMD and GPU paths give the same bits): lanes.h, shared with CUDA.
+using lanes::f32_to_bf16;
+using lanes::f32_to_f16;
 
 // The CPU has AVX2 and F16C (x86-64), and LCG_NO_SIMD is unset: the SIMD paths may run. They write
 // the same bytes as the scalar ones (tests compare both).

@@ -13,8 +13,8 @@ namespace lcg {
 // Symbol alphabet of a lossy group: q in [-127, 127] is symbol q + 128; symbol 0 escapes a
 // larger |q|, whose value follows in the group's escape list.
 constexpr int32_t Q_MAX = 127;
-constexpr uint8_t SYM_ZERO = 128;
-constexpr uint8_t SYM_ESCAPE = 0;
+constexpr uint8_t SYM_ZERO = lanes::SYM_ZERO;
+constexpr uint8_t SYM_ESCAPE = lanes::SYM_ESCAPE;
 
 // How steps are chosen. A level names a llama.cpp cache type (ref_type) and each tensor's step is
 // set so that its squared error is ref_scale x the error that cache type makes on that very tensor:
@@ -58,9 +58,9 @@ struct ChannelQuant {
 // value quantizes to q = 0, tiny steps become the smallest normal f16.
 ChannelQuant channel_quant(double mean, double step);
 
-constexpr int32_t GGML_F32 = 0;
-constexpr int32_t GGML_F16 = 1;
-constexpr int32_t GGML_BF16 = 30;
+constexpr int32_t GGML_F32 = lanes::GGML_F32;
+constexpr int32_t GGML_F16 = lanes::GGML_F16;
+constexpr int32_t GGML_BF16 = lanes::GGML_BF16;
 
 // Reads / writes one float element of ggml type f32, f16 or bf16.
 inline float load_float(const uint8_t * p, int32_t ggml_type) {
@@ -82,14 +82,8 @@ inline void store_float(uint8_t * p, int32_t ggml_type, float v) {
     std::memcpy(p, &h, 2);
 }
 
-// Reconstruction of q: mean + sign(q) (|q| - shrink) step, as exactly these float operations (a
-// subtraction, a multiply, an add; the build keeps the compiler from fusing them) so that the scalar
-// and SIMD decoders (and a GPU) give the same bits. shrink = shrink_u8 / 256.
-inline float dequant(float mean, float step, float shrink, float q) {
-    // branch-free: the sign of q is a coin flip
-    const float t = q - std::copysign(shrink, q) * static_cast<float>(q != 0.0f);
-    return t * step + mean;
-}
+// Reconstruction of q, the same bits on every path (scalar, AVX2, CUDA): lanes.h.
+using lanes::dequant;
 
 // A value whose |q| > Q_MAX, coded as SYM_ESCAPE plus q in the group's escape list.
 struct Escape {

@@ -40,7 +40,7 @@ void build_enc_table(const Table & t, EncTable & e) {
 void build_decode_slots(const Table & t, uint32_t * slots) {
     for (uint32_t s = t.first; s <= t.last; s++) {
         for (uint32_t k = 0; k < t.freq[s]; k++) {
-            slots[t.cum[s] + k] = s | (static_cast<uint32_t>(t.freq[s] - 1) << 8) | (k << 20);
+            slots[t.cum[s] + k] = lanes::slot_entry(s, t.freq[s], k);
         }
     }
 }
@@ -138,7 +138,7 @@ Cursor open_stream(const uint8_t * data, size_t size) {
     Cursor c;
     for (uint32_t j = 0; j < LANES; j++) {
         std::memcpy(&c.x[j], data + 4 * j, 4);
-        LCG_CHECK(c.x[j] >= STATE_LOW && c.x[j] < (STATE_LOW << 16), LCG_ERR_CORRUPT, "lane %u starts in state %u",
+        LCG_CHECK(lanes::valid_start(c.x[j]), LCG_ERR_CORRUPT, "lane %u starts in state %u",
                   j, c.x[j]);
     }
     c.ptr = data + STATE_BYTES;

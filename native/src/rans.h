@@ -23,10 +23,11 @@
 
 namespace lcg::rans {
 
-constexpr uint32_t PROB_BITS = 12;
-constexpr uint32_t PROB_SCALE = 1u << PROB_BITS;
-constexpr uint32_t STATE_LOW = 1u << 15;
-constexpr uint32_t LANES = 32;
+// The lane step itself (shared with the CUDA decoder) is in lanes.h.
+constexpr uint32_t PROB_BITS = lanes::PROB_BITS;
+constexpr uint32_t PROB_SCALE = lanes::PROB_SCALE;
+constexpr uint32_t STATE_LOW = lanes::STATE_LOW;
+constexpr uint32_t LANES = lanes::LANES;
 constexpr size_t STATE_BYTES = 4 * LANES;
 
 struct Table {
@@ -118,12 +119,12 @@ inline uint32_t next_word(Cursor & c) {
 // One symbol of lane j with decode slots `slots`: returns the symbol, updates the state.
 inline uint8_t decode_symbol(Cursor & c, uint32_t j, const uint32_t * slots) {
     const uint32_t e = slots[c.x[j] & (PROB_SCALE - 1)];
-    uint32_t x = (((e >> 8) & 0xfff) + 1) * (c.x[j] >> PROB_BITS) + (e >> 20);
-    if (x < STATE_LOW) {
-        x = (x << 16) | next_word(c);
+    uint32_t x = lanes::advance(c.x[j], e);
+    if (lanes::needs_word(x)) {
+        x = lanes::refill(x, next_word(c));
     }
     c.x[j] = x;
-    return static_cast<uint8_t>(e);
+    return static_cast<uint8_t>(lanes::entry_symbol(e));
 }
 
 // Scalar decode of the symbols from k0 (a multiple of 32: lanes continue from c) to the end of

@@ -305,7 +305,7 @@ void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, size_t k0, std::ve
                 esc.push_back(o * n_i + i);
             }
             uint8_t * p = TRANSPOSED ? line + d.row_cell[i] * d.dst.cell : line + i * d.dst.unit;
-            store_float(p, TYPE, dequant(d.mean[u], step[u], shrink[u], static_cast<float>(static_cast<int32_t>(s) - SYM_ZERO)));
+            store_float(p, TYPE, dequant(d.mean[u], step[u], shrink[u], lanes::symbol_q(s)));
         }
     }
 }
