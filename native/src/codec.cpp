@@ -114,6 +114,21 @@ void add_user_meta(std::vector<SectionPayload> & sections, const uint8_t * meta,
     }
 }
 
+// The layout and verbatim sections: what rebuilds a state around its K/V (whole and skeleton).
+std::vector<SectionPayload> state_sections(const uint8_t * state, const ParsedState & st, const QuantKnobs & knobs) {
+    ByteWriter layout, verbatim;
+    write_layout(layout, st.n_layers, st.tensors, st.segments, knobs);
+    for (const Segment & s : st.segments) {
+        if (s.tensor < 0) {
+            verbatim.put(state + s.offset, s.size);
+        }
+    }
+    std::vector<SectionPayload> sections;
+    sections.push_back({LCG_SECTION_LAYOUT, 0, std::move(layout.buf)});
+    sections.push_back({LCG_SECTION_VERBATIM, 0, std::move(verbatim.buf)});
+    return sections;
+}
+
 ContainerHeader state_header(const ParsedState & st, size_t size, int32_t part, int32_t level) {
     ContainerHeader h;
     h.part = part;
@@ -247,16 +262,7 @@ uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions &
         encode_rows(state, t, enc[i], cells, is_sink[t.cell_group], w);
         rows[i] = std::move(w.buf);
     });
-    std::vector<SectionPayload> sections;
-    ByteWriter layout, verbatim;
-    write_layout(layout, st.n_layers, st.tensors, st.segments, stored_knobs(opt));
-    sections.push_back({LCG_SECTION_LAYOUT, 0, std::move(layout.buf)});
-    for (const Segment & s : st.segments) {
-        if (s.tensor < 0) {
-            verbatim.put(state + s.offset, s.size);
-        }
-    }
-    sections.push_back({LCG_SECTION_VERBATIM, 0, std::move(verbatim.buf)});
+    std::vector<SectionPayload> sections = state_sections(state, st, stored_knobs(opt));
     for (uint32_t i = 0; i < st.tensors.size(); i++) {
         ByteWriter w;
         write_stats(w, enc[i].stats, st.tensors[i]);
@@ -273,16 +279,7 @@ uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions &
 uint8_t * encode_skeleton(const uint8_t * state, size_t size, int32_t kind, size_t * out_size) {
     LCG_CHECK(size <= LCG_MAX_STATE_SIZE, LCG_ERR_LIMIT, "state of %zu bytes", size);
     const ParsedState st = parse_state(state, size, kind);
-    std::vector<SectionPayload> sections;
-    ByteWriter layout, verbatim;
-    write_layout(layout, st.n_layers, st.tensors, st.segments, level_knobs(LCG_LEVEL_LOSSLESS));
-    sections.push_back({LCG_SECTION_LAYOUT, 0, std::move(layout.buf)});
-    for (const Segment & s : st.segments) {
-        if (s.tensor < 0) {
-            verbatim.put(state + s.offset, s.size);
-        }
-    }
-    sections.push_back({LCG_SECTION_VERBATIM, 0, std::move(verbatim.buf)});
+    const std::vector<SectionPayload> sections = state_sections(state, st, level_knobs(LCG_LEVEL_LOSSLESS));
     ContainerHeader h = state_header(st, size, LCG_PART_SKELETON, LCG_LEVEL_LOSSLESS);
     return write_container(h, sections, out_size);
 }
@@ -303,7 +300,30 @@ size_t decoded_size(const uint8_t * data, size_t size) {
     return static_cast<size_t>(c.header.state_size);
 }
 
+namespace {
+
+// Decoding into host memory.
+struct HostSink : DecodeSink {
+    uint8_t * state;
+    explicit HostSink(uint8_t * state) : state(state) {}
+    void copy(uint64_t dst_offset, const uint8_t * src, uint64_t size) override {
+        std::memcpy(state + dst_offset, src, size);
+    }
+    void zero(uint64_t dst_offset, uint64_t size) override { std::memset(state + dst_offset, 0, size); }
+    void tensor(size_t, ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, const TensorDesc & dst,
+                const std::vector<uint32_t> & row_cell) override {
+        decode_rows(r, obj, dec, state, dst, row_cell);
+    }
+};
+
+} // namespace
+
 size_t decode_whole(const uint8_t * data, size_t size, int32_t n_threads, uint8_t * dst, size_t dst_capacity) {
+    HostSink sink(dst);
+    return decode_whole_to(data, size, n_threads, dst_capacity, sink);
+}
+
+size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, size_t dst_capacity, DecodeSink & sink) {
     const size_t state_size = decoded_size(data, size);
     const ContainerView c = read_container(data, size);
     for (const lcg_section & s : c.sections) {
@@ -315,9 +335,9 @@ size_t decode_whole(const uint8_t * data, size_t size, int32_t n_threads, uint8_
     ByteReader verbatim = c.section_reader(only_section(c, LCG_SECTION_VERBATIM, "verbatim"), "verbatim section");
     for (const Segment & s : L.segments) {
         if (s.tensor < 0) {
-            std::memcpy(dst + s.offset, verbatim.take(s.size), s.size);
+            sink.copy(s.offset, verbatim.take(s.size), s.size);
         } else if (c.header.part == LCG_PART_SKELETON) {
-            std::memset(dst + s.offset, 0, s.size);
+            sink.zero(s.offset, s.size);
         }
     }
     if (c.header.part == LCG_PART_SKELETON) {
@@ -335,7 +355,7 @@ size_t decode_whole(const uint8_t * data, size_t size, int32_t n_threads, uint8_
             cells[k] = k;
         }
         ByteReader r = c.section_reader(*rows_sec[i], "tensor section");
-        decode_rows(r, t, dec, dst, t, cells);
+        sink.tensor(i, r, t, dec, t, cells);
         LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray bytes", i, r.remaining());
     });
     return state_size;
@@ -439,6 +459,12 @@ std::unique_ptr<Stats> open_stats(const uint8_t * data, size_t size, const uint8
 
 void decode_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads, uint8_t * state,
                   size_t state_size) {
+    HostSink sink(state);
+    decode_chunk_to(chunk, chunk_size, stats, n_threads, state, state_size, sink);
+}
+
+void decode_chunk_to(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads,
+                     const uint8_t * state, size_t state_size, DecodeSink & sink) {
     const ContainerView c = read_part(chunk, chunk_size, LCG_PART_CHUNK, "a chunk");
     for (const lcg_section & s : c.sections) {
         verify_section(c, s);
@@ -471,7 +497,7 @@ void decode_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats,
     const auto rows_sec = tensor_sections(c, LCG_SECTION_TENSOR, L.tensors.size());
     parallel_for(L.tensors.size(), n_threads, [&](size_t i) {
         ByteReader r = c.section_reader(*rows_sec[i], "tensor section");
-        decode_rows(r, L.tensors[i], stats.tensors[i], state, st.tensors[i], rows[st.tensors[i].cell_group]);
+        sink.tensor(i, r, L.tensors[i], stats.tensors[i], st.tensors[i], rows[st.tensors[i].cell_group]);
         LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray bytes", i, r.remaining());
     });
 }

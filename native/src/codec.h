@@ -39,6 +39,21 @@ uint8_t * encode_skeleton(const uint8_t * state, size_t size, int32_t kind, size
 size_t decoded_size(const uint8_t * data, size_t size);
 // Verifies every checksum, then rebuilds the state into dst (a skeleton's K/V left zero).
 size_t decode_whole(const uint8_t * data, size_t size, int32_t n_threads, uint8_t * dst, size_t dst_capacity);
+
+// Where a decode writes: host memory (decode_whole, decode_chunk) or a CUDA device (device.cpp).
+// The walkers below check everything the host can (checksums, layout, sizes, destination bounds),
+// then call copy/zero for the state's verbatim segments and tensor() once per tensor, from up to
+// n_threads threads at once; tensor() must consume its section reader to the end.
+struct DecodeSink {
+    virtual ~DecodeSink() = default;
+    virtual void copy(uint64_t dst_offset, const uint8_t * src, uint64_t size) = 0;
+    virtual void zero(uint64_t dst_offset, uint64_t size) = 0;
+    // Tensor i: its section `r`, coded as `obj`, goes to `dst` (offset in the state), object row r
+    // to cell row_cell[r].
+    virtual void tensor(size_t i, ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec,
+                        const TensorDesc & dst, const std::vector<uint32_t> & row_cell) = 0;
+};
+size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, size_t dst_capacity, DecodeSink & sink);
 // The state of a skeleton's first n_pos positions, K/V zero.
 std::vector<uint8_t> skeleton_state(const uint8_t * data, size_t size, uint32_t n_pos);
 
@@ -68,6 +83,10 @@ struct Stats {
 std::unique_ptr<Stats> open_stats(const uint8_t * data, size_t size, const uint8_t * id, int32_t n_threads);
 void decode_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads, uint8_t * state,
                   size_t state_size);
+// The same with the state's layout read from `state` (host bytes: only what is not K/V is read) and
+// the writes going to `sink`.
+void decode_chunk_to(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads,
+                     const uint8_t * state, size_t state_size, DecodeSink & sink);
 void splice(uint8_t * state, size_t state_size, const uint8_t * src, size_t src_size, uint32_t pos_begin,
             uint32_t pos_end);
 
