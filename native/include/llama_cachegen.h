@@ -59,7 +59,8 @@ typedef enum {
     LCG_ERR_LIMIT               =  -8, /* a declared size exceeds LCG_MAX_* bounds                 */
     LCG_ERR_DST_TOO_SMALL       =  -9, /* caller's buffer is smaller than lcg_decoded_size()        */
     LCG_ERR_OUT_OF_MEMORY       = -10,
-    LCG_ERR_INTERNAL            = -11  /* a bug: please report with the message                    */
+    LCG_ERR_INTERNAL            = -11, /* a bug: please report with the message                    */
+    LCG_ERR_NO_DEVICE           = -12  /* a device call without a CUDA device, driver or CUDA build */
 } lcg_status;
 
 /* Quality levels. A lossy level promises at most the KL divergence of one of llama.cpp's quantized
@@ -252,6 +253,37 @@ LCG_API int lcg_splice(void * state, size_t state_size, const void * src, size_t
                        uint32_t pos_begin, uint32_t pos_end);
 
 LCG_API void lcg_free(void * ptr);
+
+/* ---- CUDA -----------------------------------------------------------------------------------
+ * Decoding straight into device memory, same bitstream and the same bytes as lcg_decode (docs/cuda.md).
+ * The kernels live in libllama_cachegen_cuda.so, built when CMake finds a CUDA toolkit (LCG_CUDA)
+ * and loaded from this library's directory on the first call below (LCG_CUDA_LIBRARY names another
+ * file; LCG_NO_CUDA set keeps it unloaded). Without it, a driver or a device, the library works as
+ * before and these calls return LCG_ERR_NO_DEVICE. Device pointers are of the current CUDA device
+ * (cudaSetDevice); cuda_stream is a cudaStream_t (NULL: the default stream). The decode calls check
+ * and parse the object on the CPU, run the kernels on cuda_stream and return once they finished. */
+
+/* Number of usable CUDA devices: 0 without a device, a driver or a CUDA build. */
+LCG_API int lcg_cuda_available(void);
+
+/* lcg_decode into device memory: container in host memory, dst_capacity >= lcg_decoded_size.
+ * Verifies every checksum first; on error the device buffer's content is unspecified. */
+LCG_API int lcg_decode_device(const void * container, size_t container_size, void * device_dst,
+                              size_t dst_capacity, void * cuda_stream);
+
+/* lcg_decode_chunk into device_state, a device copy of `state` (host memory, state_size bytes, e.g.
+ * from lcg_skeleton_state: only its parts other than K/V payloads are read, for the layout and the
+ * cells of each position). The statistics' tables are copied to each device once and kept with
+ * the handle. Safe to call from several threads at once with one handle. */
+LCG_API int lcg_decode_chunk_device(const void * chunk, size_t chunk_size, const lcg_stats * stats,
+                                    const void * state, size_t state_size, void * device_state,
+                                    void * cuda_stream);
+
+/* Device memory for callers without a CUDA allocator of their own (the Python binding): cudaMalloc,
+ * cudaFree (NULL accepted), and a copy in any direction (cudaMemcpyDefault) that waits for itself. */
+LCG_API int lcg_device_alloc(size_t size, void ** device_ptr);
+LCG_API void lcg_device_free(void * device_ptr);
+LCG_API int lcg_device_copy(void * dst, const void * src, size_t size, void * cuda_stream);
 
 /* cffi-end */
 

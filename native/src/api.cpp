@@ -1,5 +1,6 @@
 // api.cpp -- the C entry points: argument checks, and every C++ exception turned into a status.
 #include "codec.h"
+#include "device.h"
 
 #include <cmath>
 #include <cstdlib>
@@ -101,6 +102,7 @@ const char * lcg_status_name(int status) {
         case LCG_ERR_DST_TOO_SMALL: return "LCG_ERR_DST_TOO_SMALL";
         case LCG_ERR_OUT_OF_MEMORY: return "LCG_ERR_OUT_OF_MEMORY";
         case LCG_ERR_INTERNAL: return "LCG_ERR_INTERNAL";
+        case LCG_ERR_NO_DEVICE: return "LCG_ERR_NO_DEVICE";
         default: return "LCG_ERR_UNKNOWN";
     }
 }
@@ -302,6 +304,7 @@ void lcg_chunker_free(lcg_chunker * chunker) { delete chunker; }
 
 struct lcg_stats {
     std::unique_ptr<Stats> impl;
+    DeviceStats device;  // tables copied to each device on first use
 };
 
 int lcg_stats_open(const void * stats, size_t stats_size, const uint8_t * stats_id, int32_t n_threads,
@@ -335,5 +338,52 @@ int lcg_splice(void * state, size_t state_size, const void * src, size_t src_siz
 }
 
 void lcg_free(void * ptr) { std::free(ptr); }
+
+int lcg_cuda_available(void) {
+    try {
+        return cuda_device_count();
+    } catch (...) {
+        return 0;
+    }
+}
+
+int lcg_decode_device(const void * container, size_t container_size, void * device_dst, size_t dst_capacity,
+                      void * cuda_stream) {
+    return guarded([&] {
+        LCG_CHECK(container != nullptr && (device_dst != nullptr || dst_capacity == 0), LCG_ERR_INVALID_ARGUMENT,
+                  "NULL argument");
+        decode_whole_device(static_cast<const uint8_t *>(container), container_size, static_cast<uint8_t *>(device_dst),
+                            dst_capacity, cuda_stream);
+    });
+}
+
+int lcg_decode_chunk_device(const void * chunk, size_t chunk_size, const lcg_stats * stats, const void * state,
+                            size_t state_size, void * device_state, void * cuda_stream) {
+    return guarded([&] {
+        LCG_CHECK(chunk != nullptr && stats != nullptr && state != nullptr && device_state != nullptr,
+                  LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        decode_chunk_device(static_cast<const uint8_t *>(chunk), chunk_size, *stats->impl,
+                            const_cast<lcg_stats *>(stats)->device, static_cast<const uint8_t *>(state), state_size,
+                            static_cast<uint8_t *>(device_state), cuda_stream);
+    });
+}
+
+int lcg_device_alloc(size_t size, void ** device_ptr) {
+    return guarded([&] {
+        LCG_CHECK(device_ptr != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        *device_ptr = device_alloc(size);
+    });
+}
+
+void lcg_device_free(void * device_ptr) { device_free(device_ptr); }
+
+int lcg_device_copy(void * dst, const void * src, size_t size, void * cuda_stream) {
+    return guarded([&] {
+        LCG_CHECK((dst != nullptr && src != nullptr) || size == 0, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        if (size > 0) {
+            device_copy(dst, src, size, cuda_stream);
+        }
+    });
+}
 
 } // extern "C"

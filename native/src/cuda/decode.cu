@@ -1,0 +1,262 @@
+// decode.cu -- libllama_cachegen_cuda.so: the kernels that decode an object's streams into a
+// llama.cpp state in device memory, and the runtime calls around them (docs/cuda.md).
+//
+// Read me first:
+//  - One warp per 32-lane stream, thread j = lane j (docs/format.md, "Streams"). Per step each
+//    thread decodes its element with the shared lane step (lanes.h), then
+//    ballot(state < 2^15) and popc(ballot & lanemask_lt) give each thread the offset of its word;
+//    the warp advances by popc(ballot). Every bound check is warp-uniform, so a bad stream stops
+//    the whole warp, reports itself and never reads or writes out of bounds.
+//  - The per-lane work between the votes is kernels.h, which emulator.cpp runs on the CPU for
+//    the tests; only the loop skeletons and the runtime calls here are GPU-only.
+//  - A stream's tables are staged in shared memory when they fit (compact tables, plan.h), else
+//    read from global memory through the read-only cache.
+//  - Escapes: the decode kernel records each escape symbol's element index (ballot + popc keep
+//    element order), a second kernel writes the escaped values; exact rows and verbatim bytes are
+//    copied last, so they overwrite what they must.
+//  - The host checked every destination range; the kernels trust the plan, not the streams.
+#include "kernels.h"
+#include "llama_cachegen.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+
+namespace lcg::cuda {
+
+namespace {
+
+constexpr unsigned FULL_MASK = 0xffffffffu;
+// Shared memory for tables per block: at most this much, so that two blocks share an SM.
+constexpr size_t MAX_TABLE_SMEM = 100 * 1024;
+
+// One block = one warp = one stream (emulator.cpp: the same steps on the CPU).
+__global__ void __launch_bounds__(32) decode_streams(Args a) {
+    extern __shared__ uint32_t smem[];
+    const uint32_t lane = threadIdx.x;
+    const StreamJob & sj = a.streams[blockIdx.x];
+    const Table * tables = reinterpret_cast<const Table *>(a.stats + sj.tables);
+    if (sj.n_tables <= a.smem_tables) {
+        const uint32_t words = sj.n_tables * (sizeof(Table) / 4);
+        const uint32_t * src = reinterpret_cast<const uint32_t *>(tables);  // 4-aligned (host)
+        for (uint32_t w = lane; w < words; w += 32) {
+            smem[w] = __ldg(src + w);
+        }
+        __syncwarp();
+        tables = reinterpret_cast<const Table *>(smem);
+    }
+    const Walk w = walk_open(a, blockIdx.x, tables);
+    Lane l;
+    lane_open(a, w, lane, l);
+    uint64_t pos = 0, n_found = 0;
+    uint32_t status = STREAM_OK;
+    for (uint64_t k0 = 0; k0 < w.n; k0 += lanes::LANES) {
+        lane_decode(w, l);
+        const uint32_t mask = __ballot_sync(FULL_MASK, l.need);
+        const uint32_t count = __popc(mask);
+        if (pos + count > w.n_words) {  // warp-uniform
+            status = STREAM_OVERRUN;
+            break;
+        }
+        lane_refill(w, pos, mask, lane, l);
+        pos += count;
+        lane_store(a, w, l);
+        if (w.t.lossy) {
+            const uint32_t emask = __ballot_sync(FULL_MASK, lane_escapes(w, l));
+            lane_record_escape(a, w, n_found, emask, lane, l);
+            n_found += __popc(emask);
+        }
+        lane_next(w, l);
+    }
+    if (status == STREAM_OK) {
+        status = walk_end(w, pos, __all_sync(FULL_MASK, l.x == lanes::STATE_LOW), n_found);
+    }
+    if (lane == 0) {
+        a.status[blockIdx.x] = status;
+    }
+}
+
+// Escaped values of each stream (one block per stream), once its decode succeeded.
+__global__ void patch_escapes(Args a) {
+    const StreamJob sj = a.streams[blockIdx.x];
+    if (a.status[blockIdx.x] != STREAM_OK) {
+        return;
+    }
+    for (uint64_t e = threadIdx.x; e < sj.n_escapes; e += blockDim.x) {
+        patch_escape(a, sj, e);
+    }
+}
+
+// Stored byte planes (lossless): blockIdx.y = the plane job.
+__global__ void stored_planes(Args a, uint32_t first) {
+    const PlaneJob pj = a.planes[first + blockIdx.y];
+    const TensorJob & t = a.tensors[pj.tensor];
+    const uint64_t n = t.n_outer * t.n_inner;
+    for (uint64_t k = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; k < n; k += uint64_t(gridDim.x) * blockDim.x) {
+        stored_plane_byte(a, pj, k);
+    }
+}
+
+// Container bytes to the destination, one block per job.
+__global__ void copy_runs(Args a) {
+    const CopyJob c = a.copies[blockIdx.x];
+    for (uint64_t b = threadIdx.x; b < c.size; b += blockDim.x) {
+        a.dst[c.dst + b] = a.container[c.src + b];
+    }
+}
+
+int fail(int status, cudaError_t err, const char * what, char * msg, size_t msg_size) {
+    std::snprintf(msg, msg_size, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+    return status;
+}
+
+int status_of(cudaError_t err) {
+    switch (err) {
+        case cudaErrorMemoryAllocation: return LCG_ERR_OUT_OF_MEMORY;
+        case cudaErrorInvalidValue:
+        case cudaErrorInvalidDevicePointer:
+        case cudaErrorInvalidResourceHandle: return LCG_ERR_INVALID_ARGUMENT;
+        case cudaErrorNoDevice:
+        case cudaErrorInsufficientDriver: return LCG_ERR_NO_DEVICE;
+        default: return LCG_ERR_INTERNAL;
+    }
+}
+
+#define LCG_CUDA_TRY(call, what)                                                                                       \
+    do {                                                                                                               \
+        const cudaError_t err_ = (call);                                                                               \
+        if (err_ != cudaSuccess) {                                                                                     \
+            return fail(status_of(err_), err_, what, msg, msg_size);                                                   \
+        }                                                                                                              \
+    } while (0)
+
+int device_count(int * count, char * msg, size_t msg_size) {
+    *count = 0;
+    const cudaError_t err = cudaGetDeviceCount(count);
+    if (err != cudaSuccess) {
+        *count = 0;
+        cudaGetLastError();  // not sticky: clear it
+        return fail(LCG_ERR_NO_DEVICE, err,
+                    err == cudaErrorInsufficientDriver ? "cudaGetDeviceCount (no CUDA driver, or one older than the "
+                                                         "runtime this backend was built with)"
+                                                       : "cudaGetDeviceCount",
+                    msg, msg_size);
+    }
+    return LCG_OK;
+}
+
+int current_device(int * device, char * msg, size_t msg_size) {
+    LCG_CUDA_TRY(cudaGetDevice(device), "cudaGetDevice");
+    return LCG_OK;
+}
+
+int alloc(void ** ptr, size_t size, char * msg, size_t msg_size) {
+    LCG_CUDA_TRY(cudaMalloc(ptr, std::max<size_t>(size, 1)), "cudaMalloc");
+    return LCG_OK;
+}
+
+void release(void * ptr) { cudaFree(ptr); }
+
+int copy(void * dst, const void * src, size_t size, void * stream, char * msg, size_t msg_size) {
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    LCG_CUDA_TRY(cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+    LCG_CUDA_TRY(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    return LCG_OK;
+}
+
+// Device scratch of one decode, freed in stream order whatever happens.
+struct Scratch {
+    cudaStream_t stream;
+    void * ptr[4] = {nullptr, nullptr, nullptr, nullptr};
+    ~Scratch() {
+        for (void * p : ptr) {
+            if (p) {
+                cudaFreeAsync(p, stream);
+            }
+        }
+    }
+};
+
+int decode(const Plan * plan, void * stream_ptr, uint32_t * status, char * msg, size_t msg_size) {
+    const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+    const Plan & p = *plan;
+    Scratch s{stream};
+    uint8_t *container, *arena;
+    uint32_t * d_status;
+    uint64_t * escape_at;
+    LCG_CUDA_TRY(cudaMallocAsync(&s.ptr[0], std::max<uint64_t>(p.container_size, 1), stream), "cudaMallocAsync");
+    LCG_CUDA_TRY(cudaMallocAsync(&s.ptr[1], std::max<uint64_t>(p.arena_size, 1), stream), "cudaMallocAsync");
+    LCG_CUDA_TRY(cudaMallocAsync(&s.ptr[2], std::max<uint64_t>(p.n_streams, 1) * 4, stream), "cudaMallocAsync");
+    LCG_CUDA_TRY(cudaMallocAsync(&s.ptr[3], std::max<uint64_t>(p.n_escapes, 1) * 8, stream), "cudaMallocAsync");
+    container = static_cast<uint8_t *>(s.ptr[0]);
+    arena = static_cast<uint8_t *>(s.ptr[1]);
+    d_status = static_cast<uint32_t *>(s.ptr[2]);
+    escape_at = static_cast<uint64_t *>(s.ptr[3]);
+    LCG_CUDA_TRY(cudaMemcpyAsync(container, p.container, p.container_size, cudaMemcpyHostToDevice, stream),
+                 "uploading the container");
+    LCG_CUDA_TRY(cudaMemcpyAsync(arena, p.arena, p.arena_size, cudaMemcpyHostToDevice, stream), "uploading the plan");
+    const ZeroJob * zeros = reinterpret_cast<const ZeroJob *>(p.arena + p.zeros);
+    for (uint32_t z = 0; z < p.n_zeros; z++) {
+        LCG_CUDA_TRY(cudaMemsetAsync(p.dst + zeros[z].dst, 0, zeros[z].size, stream), "cudaMemsetAsync");
+    }
+    Args a;
+    a.container = container;
+    a.arena = arena;
+    a.stats = p.device_stats ? p.device_stats : arena + p.stats;
+    a.tensors = reinterpret_cast<const TensorJob *>(arena + p.tensors);
+    a.streams = reinterpret_cast<const StreamJob *>(arena + p.streams);
+    a.dst = p.dst;
+    a.status = d_status;
+    a.escape_at = escape_at;
+    a.escape_q = reinterpret_cast<const float *>(arena + p.escape_values);
+    a.planes = reinterpret_cast<const PlaneJob *>(arena + p.planes);
+    a.copies = reinterpret_cast<const CopyJob *>(arena + p.copies);
+    a.smem_tables = 0;
+    if (p.n_streams > 0) {
+        const StreamJob * streams = reinterpret_cast<const StreamJob *>(p.arena + p.streams);
+        uint32_t max_tables = 0;
+        for (uint32_t j = 0; j < p.n_streams; j++) {
+            max_tables = std::max(max_tables, streams[j].n_tables);
+        }
+        int device = 0, optin = 0;
+        LCG_CUDA_TRY(cudaGetDevice(&device), "cudaGetDevice");
+        LCG_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                     "cudaDeviceGetAttribute");
+        const size_t cap = std::min<size_t>(MAX_TABLE_SMEM, static_cast<size_t>(optin));
+        a.smem_tables = static_cast<uint32_t>(std::min<size_t>(max_tables, cap / sizeof(Table)));
+        const size_t smem = a.smem_tables * sizeof(Table);
+        LCG_CUDA_TRY(cudaFuncSetAttribute(decode_streams, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)),
+                     "cudaFuncSetAttribute");
+        decode_streams<<<p.n_streams, 32, smem, stream>>>(a);
+        LCG_CUDA_TRY(cudaGetLastError(), "launching decode_streams");
+        patch_escapes<<<p.n_streams, 128, 0, stream>>>(a);
+        LCG_CUDA_TRY(cudaGetLastError(), "launching patch_escapes");
+    }
+    for (uint32_t j = 0; j < p.n_planes; j += 65535) {  // gridDim.y is at most 65535
+        const uint32_t batch = std::min<uint32_t>(65535, p.n_planes - j);
+        stored_planes<<<dim3(256, batch), 256, 0, stream>>>(a, j);
+        LCG_CUDA_TRY(cudaGetLastError(), "launching stored_planes");
+    }
+    if (p.n_copies > 0) {
+        copy_runs<<<p.n_copies, 128, 0, stream>>>(a);
+        LCG_CUDA_TRY(cudaGetLastError(), "launching copy_runs");
+    }
+    if (p.n_streams > 0) {
+        LCG_CUDA_TRY(cudaMemcpyAsync(status, d_status, p.n_streams * 4ull, cudaMemcpyDeviceToHost, stream),
+                     "reading the stream status");
+    }
+    LCG_CUDA_TRY(cudaStreamSynchronize(stream), "decoding on the device");
+    return LCG_OK;
+}
+
+const Backend backend = {BACKEND_ABI, device_count, current_device, alloc, release, copy, decode};
+
+} // namespace
+
+} // namespace lcg::cuda
+
+extern "C" __attribute__((visibility("default"))) const lcg::cuda::Backend * lcg_cuda_backend(void) {
+    return &lcg::cuda::backend;
+}

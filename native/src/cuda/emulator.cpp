@@ -1,0 +1,135 @@
+// emulator.cpp -- libllama_cachegen_cuda_emu.so: the CUDA backend's interface (plan.h) run on the
+// CPU, for tests on machines without a GPU (LCG_CUDA_LIBRARY=<this file>; tests/test_cuda.py).
+//
+// "Device memory" is host memory; each kernel of decode.cu is a loop here that calls the same
+// per-lane functions (kernels.h) in the same order, a warp's 32 lanes one after another with
+// each vote computed as a mask between them. What it checks: the host's plans (device.cpp), the
+// compact tables, the lane steps and the warp's word accounting, against the CPU decoder's bytes.
+// What it cannot: CUDA itself (launches, shared memory staging, synchronisation).
+#include "kernels.h"
+#include "llama_cachegen.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace lcg::cuda {
+
+namespace {
+
+void decode_stream(const Args & a, uint32_t s) {
+    const StreamJob & sj = a.streams[s];
+    const Walk w = walk_open(a, s, reinterpret_cast<const Table *>(a.stats + sj.tables));
+    Lane l[lanes::LANES];
+    for (uint32_t j = 0; j < lanes::LANES; j++) {
+        lane_open(a, w, j, l[j]);
+    }
+    uint64_t pos = 0, n_found = 0;
+    for (uint64_t k0 = 0; k0 < w.n; k0 += lanes::LANES) {
+        uint32_t mask = 0, emask = 0;
+        for (uint32_t j = 0; j < lanes::LANES; j++) {
+            lane_decode(w, l[j]);
+            mask |= uint32_t(l[j].need) << j;
+        }
+        const uint32_t count = popc32(mask);
+        if (pos + count > w.n_words) {
+            a.status[s] = STREAM_OVERRUN;
+            return;
+        }
+        for (uint32_t j = 0; j < lanes::LANES; j++) {
+            lane_refill(w, pos, mask, j, l[j]);
+            lane_store(a, w, l[j]);
+            emask |= uint32_t(lane_escapes(w, l[j])) << j;
+        }
+        pos += count;
+        for (uint32_t j = 0; j < lanes::LANES; j++) {
+            lane_record_escape(a, w, n_found, emask, j, l[j]);
+            lane_next(w, l[j]);
+        }
+        n_found += popc32(emask);
+    }
+    bool all_low = true;
+    for (uint32_t j = 0; j < lanes::LANES; j++) {
+        all_low = all_low && l[j].x == lanes::STATE_LOW;
+    }
+    a.status[s] = walk_end(w, pos, all_low, n_found);
+}
+
+int device_count(int * count, char *, size_t) {
+    *count = 1;
+    return LCG_OK;
+}
+
+int current_device(int * device, char *, size_t) {
+    *device = 0;
+    return LCG_OK;
+}
+
+int alloc(void ** ptr, size_t size, char * msg, size_t msg_size) {
+    *ptr = std::malloc(size ? size : 1);
+    if (*ptr == nullptr) {
+        std::snprintf(msg, msg_size, "emulated device: out of memory");
+        return LCG_ERR_OUT_OF_MEMORY;
+    }
+    return LCG_OK;
+}
+
+void release(void * ptr) { std::free(ptr); }
+
+int copy(void * dst, const void * src, size_t size, void *, char *, size_t) {
+    std::memmove(dst, src, size);
+    return LCG_OK;
+}
+
+int decode(const Plan * plan, void *, uint32_t * status, char *, size_t) {
+    const Plan & p = *plan;
+    std::vector<uint64_t> escape_at(p.n_escapes);
+    Args a;
+    a.container = p.container;
+    a.arena = p.arena;
+    a.stats = p.device_stats ? p.device_stats : p.arena + p.stats;
+    a.tensors = reinterpret_cast<const TensorJob *>(p.arena + p.tensors);
+    a.streams = reinterpret_cast<const StreamJob *>(p.arena + p.streams);
+    a.planes = reinterpret_cast<const PlaneJob *>(p.arena + p.planes);
+    a.copies = reinterpret_cast<const CopyJob *>(p.arena + p.copies);
+    a.dst = p.dst;
+    a.status = status;
+    a.escape_at = escape_at.data();
+    a.escape_q = reinterpret_cast<const float *>(p.arena + p.escape_values);
+    a.smem_tables = 0;
+    const ZeroJob * zeros = reinterpret_cast<const ZeroJob *>(p.arena + p.zeros);
+    for (uint32_t z = 0; z < p.n_zeros; z++) {
+        std::memset(p.dst + zeros[z].dst, 0, zeros[z].size);
+    }
+    for (uint32_t s = 0; s < p.n_streams; s++) {
+        decode_stream(a, s);
+    }
+    for (uint32_t s = 0; s < p.n_streams; s++) {
+        if (status[s] == STREAM_OK) {
+            for (uint64_t e = 0; e < a.streams[s].n_escapes; e++) {
+                patch_escape(a, a.streams[s], e);
+            }
+        }
+    }
+    for (uint32_t j = 0; j < p.n_planes; j++) {
+        const TensorJob & t = a.tensors[a.planes[j].tensor];
+        for (uint64_t k = 0; k < t.n_outer * t.n_inner; k++) {
+            stored_plane_byte(a, a.planes[j], k);
+        }
+    }
+    for (uint32_t c = 0; c < p.n_copies; c++) {
+        std::memcpy(p.dst + a.copies[c].dst, p.container + a.copies[c].src, a.copies[c].size);
+    }
+    return LCG_OK;
+}
+
+const Backend backend = {BACKEND_ABI, device_count, current_device, alloc, release, copy, decode};
+
+} // namespace
+
+} // namespace lcg::cuda
+
+extern "C" __attribute__((visibility("default"))) const lcg::cuda::Backend * lcg_cuda_backend(void) {
+    return &lcg::cuda::backend;
+}
