@@ -1,6 +1,17 @@
 """llama-cachegen: CacheGen-style compression and streaming of llama.cpp context state."""
 
-from .codec import decode, decode_into, decoded_size, encode, inspect, inspect_state, user_meta, version
+from .codec import (
+    DeviceBuffer,
+    cuda_available,
+    decode,
+    decode_into,
+    decoded_size,
+    encode,
+    inspect,
+    inspect_state,
+    user_meta,
+    version,
+)
 from .errors import (
     AuthenticationError,
     CacheGenError,
@@ -11,6 +22,7 @@ from .errors import (
     InvalidArgumentError,
     LimitExceededError,
     ModelMismatchError,
+    NoDeviceError,
     NotAContainerError,
     StoreError,
     TruncatedDataError,
@@ -30,11 +42,14 @@ __all__ = [
     "InvalidArgumentError",
     "LimitExceededError",
     "ModelMismatchError",
+    "NoDeviceError",
     "NotAContainerError",
     "StoreError",
     "TruncatedDataError",
     "UnsupportedFormatError",
     "UnsupportedVersionError",
+    "DeviceBuffer",
+    "cuda_available",
     "decode",
     "decode_into",
     "decoded_size",

@@ -133,22 +133,42 @@ def decoded_size(blob: Buffer) -> int:
     return int(size[0])
 
 
-def decode(blob: Buffer, *, threads: int | None = None) -> bytearray:
+def decode(
+    blob: Buffer, *, threads: int | None = None, device: str | None = None
+) -> bytearray | DeviceBuffer:
     """Decompresses a container back into llama.cpp state bytes; verifies every checksum.
 
     Returns a bytearray (no extra copy; writable, so ctypes can wrap it without copying too).
+    With `device="cuda"` the state is decoded on the current CUDA device into a DeviceBuffer (the
+    same bytes; `threads` is not used); NoDeviceError when there is no device, driver or CUDA build.
     """
+    if device is not None and device != "cpu":
+        _device_name(device)
+        src = _view(blob)
+        if not cuda_available():  # NoDeviceError saying why, before anything else
+            check(lib.lcg_decode_device(src, len(src), ffi.NULL, 0, ffi.NULL))
+        out = DeviceBuffer(decoded_size(src))
+        decode_into(src, out)
+        return out
     src = _view(blob)
     dst = bytearray(decoded_size(src))
     decode_into(src, dst, threads=threads)
     return dst
 
 
-def decode_into(blob: Buffer, dst: Buffer, *, threads: int | None = None) -> int:
+def decode_into(blob: Buffer, dst: Buffer | DeviceBuffer, *, threads: int | None = None) -> int:
     """Decodes into a caller's writable buffer of at least `decoded_size(blob)` bytes; returns the
     bytes written. Reusing one buffer is the fast path: a fresh one costs its page faults (about
-    as much as decoding, measured in bench/speed.py)."""
+    as much as decoding, measured in bench/speed.py).
+
+    A DeviceBuffer, or any object with `__cuda_array_interface__` (CuPy, PyTorch, Numba: contiguous,
+    on the current device), is decoded into on the GPU."""
     src = _view(blob)
+    device = _device_pointer(dst)
+    if device is not None:
+        ptr, capacity = device
+        check(lib.lcg_decode_device(src, len(src), ffi.cast("void *", ptr), capacity, ffi.NULL))
+        return decoded_size(src)
     written = ffi.new("size_t *")
     try:
         out = ffi.from_buffer(dst, require_writable=True)
@@ -156,6 +176,82 @@ def decode_into(blob: Buffer, dst: Buffer, *, threads: int | None = None) -> int
         raise InvalidArgumentError(f"expected a writable buffer, got {type(dst).__name__}") from exc
     check(lib.lcg_decode(src, len(src), _threads(threads), out, len(out), written))
     return int(written[0])
+
+
+# ---- CUDA (docs/cuda.md) ------------------------------------------------------------------------
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device can decode: the library was built with its CUDA backend, and a driver
+    and a device are present. False is not an error: the CPU path always works."""
+    return int(lib.lcg_cuda_available()) > 0
+
+
+def _device_name(device: str) -> None:
+    if device != "cuda":
+        raise InvalidArgumentError(f"unknown device {device!r}; expected None, 'cpu' or 'cuda'")
+
+
+class DeviceBuffer:
+    """Bytes in CUDA device memory (the current device), allocated by the library and freed when
+    collected. `__cuda_array_interface__` lets CuPy, PyTorch or Numba use it without a copy
+    (`torch.as_tensor(buf, device="cuda")`, `cupy.asarray(buf)`)."""
+
+    def __init__(self, size: int) -> None:
+        ptr = ffi.new("void **")
+        check(lib.lcg_device_alloc(int(size), ptr))
+        self._ptr = ffi.gc(ptr[0], lib.lcg_device_free)
+        self.size = int(size)
+
+    @property
+    def ptr(self) -> int:
+        return int(ffi.cast("uintptr_t", self._ptr))
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        data = (self.ptr, False)
+        return {"shape": (self.size,), "typestr": "|u1", "data": data, "version": 3, "strides": None}
+
+    def to_host(self) -> bytearray:
+        """A host copy of the bytes."""
+        out = bytearray(self.size)
+        if self.size:
+            check(lib.lcg_device_copy(ffi.from_buffer(out), self._ptr, self.size, ffi.NULL))
+        return out
+
+    def copy_from(self, data: Buffer) -> None:
+        """Overwrites the start of the buffer with host bytes."""
+        src = _view(data)
+        if len(src) > self.size:
+            raise InvalidArgumentError(f"{len(src)} bytes do not fit a {self.size}-byte device buffer")
+        if len(src):
+            check(lib.lcg_device_copy(self._ptr, src, len(src), ffi.NULL))
+
+    def copy_to(self, dst: DeviceBuffer) -> None:
+        """Device to device copy of the whole buffer into `dst` (at least as large)."""
+        if dst.size < self.size:
+            raise InvalidArgumentError(f"{self.size} bytes do not fit a {dst.size}-byte device buffer")
+        if self.size:
+            check(lib.lcg_device_copy(dst._ptr, self._ptr, self.size, ffi.NULL))
+
+
+def _device_pointer(buf: Any) -> tuple[int, int] | None:
+    """(pointer, bytes) of a device buffer, or None for host memory."""
+    if isinstance(buf, DeviceBuffer):
+        return buf.ptr, buf.size
+    iface = getattr(buf, "__cuda_array_interface__", None)
+    if iface is None:
+        return None
+    if iface.get("strides") is not None:
+        raise InvalidArgumentError("a device buffer must be contiguous")
+    itemsize = int(iface["typestr"][2:])
+    count = 1
+    for n in iface["shape"]:
+        count *= int(n)
+    return int(iface["data"][0]), count * itemsize
 
 
 def _info_dict(info: Any) -> dict[str, Any]:
@@ -305,10 +401,33 @@ class Stats:
         self.id = bytes(stats_id)
 
 
-def decode_chunk(chunk: Buffer, stats: Stats, state: bytearray, *, threads: int | None = None) -> None:
+def decode_chunk(
+    chunk: Buffer,
+    stats: Stats,
+    state: bytearray,
+    *,
+    threads: int | None = None,
+    device_state: DeviceBuffer | Any = None,
+) -> None:
     """Decodes a chunk into its place in `state` (from `skeleton_state`); checksums, layout and the
-    statistics id are verified first."""
-    c, dst = _view(chunk), ffi.from_buffer(state)
+    statistics id are verified first.
+
+    With `device_state` (a DeviceBuffer or an object with `__cuda_array_interface__` holding a
+    device copy of `state`), the chunk is decoded on the GPU into it and `state` is only read for
+    its layout (cells, positions): its K/V bytes are left as they are."""
+    c = _view(chunk)
+    if device_state is not None:
+        device = _device_pointer(device_state)
+        if device is None:
+            raise InvalidArgumentError("device_state: expected a DeviceBuffer or __cuda_array_interface__")
+        ptr, capacity = device
+        if capacity < len(state):
+            raise InvalidArgumentError(f"device_state holds {capacity} bytes, the state {len(state)}")
+        host = _view(state)
+        dev = ffi.cast("void *", ptr)
+        check(lib.lcg_decode_chunk_device(c, len(c), stats._handle, host, len(host), dev, ffi.NULL))
+        return
+    dst = ffi.from_buffer(state)
     check(lib.lcg_decode_chunk(c, len(c), stats._handle, _threads(threads), dst, len(state)))
 
 

@@ -50,6 +50,11 @@ class InternalError(CacheGenError):
     """A bug in the native library."""
 
 
+class NoDeviceError(CacheGenError):
+    """A device (CUDA) call on a machine without a CUDA device or driver, or with a library built
+    without CUDA; the message says which. The CPU path (device=None) always works."""
+
+
 class ModelMismatchError(CacheGenError):
     """A state was saved from another model, context shape or KV type than the target."""
 
@@ -83,4 +88,5 @@ STATUS_EXCEPTIONS: dict[int, type[CacheGenError]] = {
     -9: InternalError,  # dst too small: the binding sizes buffers itself, so this is a bug
     -10: NativeMemoryError,
     -11: InternalError,
+    -12: NoDeviceError,
 }

@@ -1,0 +1,250 @@
+"""The CUDA backend (docs/cuda.md): decoding on a device gives the CPU decoder's bytes.
+
+Three ways these checks run:
+- without a device (every machine; LCG_NO_CUDA forces it): cuda_available() is False, device calls
+  raise NoDeviceError, the CPU path works, and the library has no link to libcuda / libcudart;
+- on the CPU emulator of the backend (libllama_cachegen_cuda_emu.so, in a subprocess): the host's
+  plans and the kernels' per-lane code (kernels.h) against the CPU decoder, for every level and
+  layout, chunks, golden containers and corrupt streams;
+- on a real GPU when cuda_available() (skipped otherwise, saying so): the same checks in-process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cachegen as lcg
+import numpy as np
+import pytest
+from conftest import full_buffer, kv_cache_bytes, seq_buffer, seq_file, session_file
+from llama_cachegen import codec
+from llama_cachegen._native import ffi, lib
+from test_bad_input import DATA, reseal, sections
+from test_lanes import _cases, _state
+
+LEVELS = ("lossless", "high", "balanced", "compact")
+PACKAGE = Path(lcg.__file__).parent
+EMULATOR = PACKAGE / "libllama_cachegen_cuda_emu.so"
+TESTS = Path(__file__).parent
+
+
+# ---- without a device ---------------------------------------------------------------------------
+
+_NO_DEVICE = """
+import llama_cachegen as lcg
+from llama_cachegen import codec
+from llama_cachegen._native import ffi, lib
+from test_lanes import _state
+
+state = _state(37, 24, True, "outliers")
+blob = lcg.encode(state, "balanced")
+assert not lcg.cuda_available()
+assert lcg.decode(blob) == lcg.decode(lcg.encode(state, "balanced"))  # the CPU path works
+for call in (lambda: lcg.decode(blob, device="cuda"), lambda: lcg.DeviceBuffer(16)):
+    try:
+        call()
+        raise SystemExit("no NoDeviceError")
+    except lcg.NoDeviceError as e:
+        assert e.status_name == "LCG_ERR_NO_DEVICE" and "{why}" in str(e), str(e)
+status = lib.lcg_decode_device(blob, len(blob), ffi.NULL, 0, ffi.NULL)
+assert status == lib.LCG_ERR_NO_DEVICE == -12, status
+print("ok")
+"""
+
+
+@pytest.mark.parametrize(
+    "env,why",
+    [
+        ({"LCG_NO_CUDA": "1"}, "LCG_NO_CUDA is set"),
+        ({"LCG_CUDA_LIBRARY": "/nonexistent.so"}, "no CUDA backend"),
+    ],
+)
+def test_without_a_device_calls_raise_no_device_error(env: dict[str, str], why: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_DEVICE.replace("{why}", why)],
+        cwd=TESTS,
+        env=os.environ | env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_this_machine_reports_what_it_has() -> None:
+    """cuda_available() is a bool that never raises; without a device, decode(device="cuda") says why."""
+    available = lcg.cuda_available()
+    assert isinstance(available, bool)
+    blob = lcg.encode(_state(5, 1, False, "normal"), "high")
+    if not available:
+        with pytest.raises(lcg.NoDeviceError, match="no CUDA device"):
+            lcg.decode(blob, device="cuda")
+    with pytest.raises(lcg.InvalidArgumentError, match="unknown device"):
+        lcg.decode(blob, device="tpu")
+    assert lcg.errors.STATUS_EXCEPTIONS[-12] is lcg.NoDeviceError
+    assert ffi.string(lib.lcg_status_name(-12)).decode() == "LCG_ERR_NO_DEVICE"
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf is not installed")
+def test_the_library_does_not_link_cuda() -> None:
+    """Loads on machines without CUDA: the backend is dlopened, and it links the CUDA runtime statically."""
+    for name in ("libllama_cachegen.so", "libllama_cachegen_cuda.so"):
+        path = PACKAGE / name
+        if not path.exists():
+            continue  # a build without CUDA
+        elf = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True)
+        needed = elf.stdout
+        assert "libcuda" not in needed and "libcudart" not in needed, (name, needed)
+
+
+# ---- the checks, on the emulator or a GPU --------------------------------------------------------
+
+
+def _bf16_state(cells: int, channels: int, v_trans: bool) -> bytes:
+    """A one-layer K/V state of bf16 values (type 30), which the conftest builder does not make."""
+    rng = np.random.default_rng(7)
+    out = bytearray(struct.pack("<II", 1, cells))
+    for pos in range(cells):
+        out += struct.pack("<iIi", pos, 1, 0)
+    out += struct.pack("<II", int(v_trans), 1)
+
+    def bf16(a: np.ndarray) -> bytes:
+        return (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+    k, v = rng.normal(0, 1, (cells, channels)), rng.normal(0, 0.5, (cells, channels))
+    out += struct.pack("<iQ", 30, 2 * channels) + bf16(k)
+    if v_trans:
+        out += struct.pack("<iII", 30, 2, channels) + bf16(v.T.copy())
+    else:
+        out += struct.pack("<iQ", 30, 2 * channels) + bf16(v)
+    return seq_buffer(bytes(out))
+
+
+def _layouts() -> dict[str, bytes]:
+    """Every shape of test_lanes, and the other types, kinds and layouts (odd offsets, streams, ext)."""
+    rng = np.random.default_rng(11)
+    cases = dict(_cases())
+    cases["f32"] = seq_buffer(kv_cache_bytes(rng, cells_per_stream=(40,), dtype="f32"))
+    cases["f32-T"] = seq_buffer(kv_cache_bytes(rng, cells_per_stream=(33,), v_trans=True, dtype="f32"))
+    cases["bf16"] = _bf16_state(45, 64, False)
+    cases["bf16-T"] = _bf16_state(45, 64, True)
+    # an arch name of odd length: every tensor starts at an odd offset
+    cases["full-odd"] = full_buffer(kv_cache_bytes(rng, cells_per_stream=(20,), v_trans=True), arch="abc")
+    cases["streams-ext"] = seq_buffer(kv_cache_bytes(rng, cells_per_stream=(12, 0, 7), ext=True))
+    cases["seq-file"] = seq_file(kv_cache_bytes(rng, cells_per_stream=(16,)), list(range(16)))
+    cases["session"] = session_file(kv_cache_bytes(rng, cells_per_stream=(9,), v_trans=True), list(range(9)))
+    return cases
+
+
+def check_decode_matches_cpu() -> None:
+    for name, state in _layouts().items():
+        for level in LEVELS:
+            blob = lcg.encode(state, level, threads=1)
+            dev = lcg.decode(blob, device="cuda")
+            assert isinstance(dev, lcg.DeviceBuffer) and len(dev) == len(state)
+            assert dev.to_host() == lcg.decode(blob), (name, level)
+    # into a larger buffer the caller owns: only the state's bytes are written
+    blob = lcg.encode(_state(64, 40, False, "outliers"), "compact")
+    size = lcg.decoded_size(blob)
+    buf = lcg.DeviceBuffer(size + 100)
+    buf.copy_from(b"\xab" * (size + 100))
+    assert lcg.decode_into(blob, buf) == size
+    assert buf.to_host() == lcg.decode(blob) + b"\xab" * 100
+
+
+def check_chunks_match_cpu() -> None:
+    for cells, channels, v_trans in [(300, 64, True), (300, 64, False), (37, 24, True), (5, 1, False)]:
+        state = _state(cells, channels, v_trans, "outliers")
+        skeleton = codec.encode_skeleton(state)
+        for level in LEVELS:
+            chunker = codec.Chunker(state, level)
+            stats = chunker.stats()
+            stats_id = hashlib.sha256(stats).digest()
+            opened = codec.Stats(stats, stats_id)
+            for chunk in (7, 100):
+                host = codec.skeleton_state(skeleton, cells)
+                dev = lcg.DeviceBuffer(len(host))
+                dev.copy_from(host)
+                bounds = list(range(0, cells, chunk)) + [cells]
+                for begin, end in zip(bounds, bounds[1:], strict=False):
+                    blob = chunker.chunk(begin, end, stats_id)
+                    codec.decode_chunk(blob, opened, host)
+                    codec.decode_chunk(blob, opened, codec.skeleton_state(skeleton, cells), device_state=dev)
+                assert dev.to_host() == host, (cells, channels, v_trans, level, chunk)
+
+
+def check_golden_containers() -> None:
+    for level in ("lossless", "balanced"):
+        blob = (DATA / f"golden-v2-{level}.lcg").read_bytes()
+        state = (DATA / f"golden-v2-{level}.state").read_bytes()
+        assert lcg.decode(blob, device="cuda").to_host() == state
+
+
+def check_bad_input_never_faults() -> None:
+    """Resealed mutations of tensor sections (streams, escapes, exact rows): the device fails
+    exactly when the CPU does, with a CacheGenError, and otherwise gives the CPU's bytes."""
+    rng = np.random.default_rng(5)
+    blobs = [
+        lcg.encode(_state(cells, channels, tr, "outliers"), level, threads=1)
+        for cells, channels, tr in [(37, 24, True), (64, 40, False)]
+        for level in LEVELS
+    ]
+    outcomes = {"ok": 0, "error": 0}
+    for blob in blobs:
+        tensor_sections = [(off, size) for typ, _, off, size in sections(blob) if typ == 3]
+        for _ in range(60):
+            mutant = bytearray(blob)
+            off, size = tensor_sections[rng.integers(len(tensor_sections))]
+            for _ in range(int(rng.integers(1, 4))):
+                mutant[off + int(rng.integers(size))] ^= int(rng.integers(1, 256))
+            reseal(mutant)
+            try:
+                expected = lcg.decode(mutant)
+            except lcg.CacheGenError as e:
+                with pytest.raises(lcg.CacheGenError) as got:
+                    lcg.decode(mutant, device="cuda")
+                assert type(got.value) is type(e), (got.value, e)  # not NoDeviceError
+                outcomes["error"] += 1
+                continue
+            assert lcg.decode(mutant, device="cuda").to_host() == expected
+            outcomes["ok"] += 1
+    assert outcomes["error"] > 50, outcomes
+    # a destination too small is refused before anything runs
+    small = lcg.DeviceBuffer(10)
+    status = lib.lcg_decode_device(blobs[0], len(blobs[0]), ffi.cast("void *", small.ptr), 10, ffi.NULL)
+    assert status == lib.LCG_ERR_DST_TOO_SMALL
+
+
+CHECKS = [
+    check_decode_matches_cpu,
+    check_chunks_match_cpu,
+    check_golden_containers,
+    check_bad_input_never_faults,
+]
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
+def test_emulated_backend(check: str) -> None:
+    """The checks on the CPU emulator of the CUDA backend, in a subprocess (a process loads one backend)."""
+    if not EMULATOR.exists():
+        pytest.skip("libllama_cachegen_cuda_emu.so not built (LCG_CUDA_EMULATOR=OFF)")
+    out = subprocess.run(
+        [sys.executable, "-c", f"import test_cuda; test_cuda.{check}(); print('ok')"],
+        cwd=TESTS,
+        env=os.environ | {"LCG_CUDA_LIBRARY": str(EMULATOR)},
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+def test_gpu(check) -> None:  # noqa: ANN001
+    if os.environ.get("LCG_CUDA_LIBRARY") or not lcg.cuda_available():
+        pytest.skip("no CUDA device here (llama_cachegen.cuda_available() is False): the GPU checks need one")
+    check()
