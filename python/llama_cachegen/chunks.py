@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import struct
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -34,7 +33,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from . import codec, stores
+from . import codec, envelope, stores
+from .envelope import is_int, require
 from .errors import (
     CorruptDataError,
     EntryNotFoundError,
@@ -47,7 +47,6 @@ from .llama import (
     LoadReport,
     StateMeta,
     _forget,
-    _is_int,
     _seq_id_ok,
     capture_meta,
     capture_state,
@@ -69,7 +68,6 @@ DEFAULT_LEVELS = ("high", "balanced", "compact")
 PREFERENCE = ("lossless", "high", "balanced", "compact")
 PREFIX = "lcg2/"
 
-_ENVELOPE = struct.Struct("<4sII")
 _MAX_MANIFEST_HEADER = 64 << 20  # ~100 bytes of JSON per chunk: 2^28 tokens at C = 4096 fit
 _MAX_CHUNK_HEADER = 1 << 16
 _HEX_ID = re.compile(r"[0-9a-f]{64}")
@@ -96,7 +94,7 @@ def _sha256(data: bytes | bytearray | memoryview) -> str:
 
 
 def _check_chunk_tokens(chunk_tokens: int) -> int:
-    if not _is_int(chunk_tokens) or not MIN_CHUNK_TOKENS <= chunk_tokens <= MAX_CHUNK_TOKENS:
+    if not is_int(chunk_tokens) or not MIN_CHUNK_TOKENS <= chunk_tokens <= MAX_CHUNK_TOKENS:
         raise InvalidArgumentError(
             f"chunk_tokens must be from {MIN_CHUNK_TOKENS} to {MAX_CHUNK_TOKENS}, got {chunk_tokens!r}"
         )
@@ -161,38 +159,6 @@ def split_manifest_url(url: str | Path) -> tuple[str, str]:
     return base, stores.check_key(key)
 
 
-# ---- binary envelopes: magic, u32 version, u32 header size, JSON header, arrays ----------------
-
-
-def _pack_envelope(magic: bytes, version: int, header: dict[str, Any], *arrays: np.ndarray) -> bytes:
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return _ENVELOPE.pack(magic, version, len(text)) + text + b"".join(a.tobytes() for a in arrays)
-
-
-def _unpack_envelope(
-    data: bytes, magic: bytes, version: int, max_header: int, what: str
-) -> tuple[dict[str, Any], int]:
-    """The JSON header and the offset of the arrays after it; CorruptDataError on anything else."""
-    if len(data) < _ENVELOPE.size or data[:4] != magic:
-        raise CorruptDataError(f"not a llama-cachegen {what} (magic {bytes(data[:4])!r})")
-    _, found, size = _ENVELOPE.unpack_from(data)
-    if found != version:
-        raise UnsupportedVersionError(f"{what} version {found}; this release reads {version}")
-    if size > min(max_header, len(data) - _ENVELOPE.size):
-        raise CorruptDataError(f"{what} header of {size} bytes overruns the object")
-    try:
-        header = json.loads(bytes(data[_ENVELOPE.size : _ENVELOPE.size + size]).decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise CorruptDataError(f"unreadable {what} header: {type(exc).__name__}") from None
-    _require(isinstance(header, dict), what, "the header is not an object")
-    return header, _ENVELOPE.size + size
-
-
-def _require(ok: bool, what: str, field_name: str) -> None:
-    if not ok:
-        raise CorruptDataError(f"invalid {what}: {field_name}")
-
-
 def _is_hex_id(value: Any) -> bool:
     return isinstance(value, str) and _HEX_ID.fullmatch(value) is not None
 
@@ -234,22 +200,28 @@ class ChunkMeta:
             "stats": self.stats_id,
             "skeleton": self.skeleton_id,
         }
-        return _pack_envelope(
+        return envelope.pack(
             CHUNK_META_MAGIC, CHUNK_META_VERSION, header, np.ascontiguousarray(self.tokens, dtype="<i4")
         )
 
     @classmethod
     def unpack(cls, data: bytes) -> ChunkMeta:
         what = "chunk header"
-        h, offset = _unpack_envelope(data, CHUNK_META_MAGIC, CHUNK_META_VERSION, _MAX_CHUNK_HEADER, what)
+        h, offset = envelope.unpack(
+            data, CHUNK_META_MAGIC, CHUNK_META_VERSION, _MAX_CHUNK_HEADER, what, UnsupportedVersionError
+        )
         for name in ("key", "prev", "stats", "skeleton"):
-            _require(_is_hex_id(h.get(name)), what, name)
-        _require(h.get("level") in codec.LEVELS, what, "level")
-        _require(isinstance(h.get("fingerprint_key"), str), what, "fingerprint_key")
+            require(_is_hex_id(h.get(name)), what, name)
+        require(h.get("level") in codec.LEVELS, what, "level")
+        require(isinstance(h.get("fingerprint_key"), str), what, "fingerprint_key")
         c, begin, end = h.get("chunk_tokens"), h.get("begin"), h.get("end")
-        _require(_is_int(c) and MIN_CHUNK_TOKENS <= c <= MAX_CHUNK_TOKENS, what, "chunk_tokens")
-        _require(_is_int(begin) and _is_int(end) and 0 <= begin < end <= begin + c, what, "begin/end")
-        _require(len(data) == offset + 4 * (end - begin), what, "token count")
+        require(is_int(c) and MIN_CHUNK_TOKENS <= c <= MAX_CHUNK_TOKENS, what, "chunk_tokens")
+        require(
+            is_int(begin) and is_int(end) and 0 <= begin < end <= begin + c,
+            what,
+            "begin/end",
+        )
+        require(len(data) == offset + 4 * (end - begin), what, "token count")
         return cls(
             key=h["key"],
             prev=h["prev"],
@@ -307,39 +279,43 @@ class Manifest:
             "chunks": [{"key": c.key, "sizes": c.sizes} for c in self.chunks],
             "wholes": {lv: {"id": i, "size": s} for lv, (i, s) in self.wholes.items()},
         }
-        return _pack_envelope(MANIFEST_MAGIC, MANIFEST_VERSION, header) + self.meta.pack()
+        return envelope.pack(MANIFEST_MAGIC, MANIFEST_VERSION, header) + self.meta.pack()
 
     @classmethod
     def unpack(cls, data: bytes) -> Manifest:
         """Parses and bounds-checks a manifest; anything malformed is a CorruptDataError."""
         what = "manifest"
-        h, offset = _unpack_envelope(data, MANIFEST_MAGIC, MANIFEST_VERSION, _MAX_MANIFEST_HEADER, what)
+        h, offset = envelope.unpack(
+            data, MANIFEST_MAGIC, MANIFEST_VERSION, _MAX_MANIFEST_HEADER, what, UnsupportedVersionError
+        )
         manifest = cls(StateMeta.unpack(data[offset:]), h.get("chunk_tokens"))
         c, n_tokens = manifest.chunk_tokens, manifest.meta.tokens.size
         stats, chunks, wholes = h.get("stats"), h.get("chunks"), h.get("wholes")
-        _require(
+        require(
             isinstance(stats, dict) and isinstance(chunks, list) and isinstance(wholes, dict), what, "body"
         )
         if c is None:
-            _require(not chunks and not stats and h.get("skeleton") is None and bool(wholes), what, "wholes")
+            require(not chunks and not stats and h.get("skeleton") is None and bool(wholes), what, "wholes")
             for level, entry in wholes.items():
-                _require(level in codec.LEVELS and isinstance(entry, dict), what, "wholes")
-                _require(_is_hex_id(entry.get("id")), what, "whole id")
-                _require(_is_int(entry.get("size")) and entry["size"] >= 0, what, "whole size")
+                require(level in codec.LEVELS and isinstance(entry, dict), what, "wholes")
+                require(_is_hex_id(entry.get("id")), what, "whole id")
+                require(is_int(entry.get("size")) and entry["size"] >= 0, what, "whole size")
                 manifest.wholes[level] = (entry["id"], entry["size"])
             return manifest
-        _require(_is_int(c) and MIN_CHUNK_TOKENS <= c <= MAX_CHUNK_TOKENS, what, "chunk_tokens")
-        _require(not wholes and _is_hex_id(h.get("skeleton")) and bool(stats), what, "skeleton")
-        _require(n_tokens > 0 and len(chunks) == -(-n_tokens // c), what, "chunk count")
+        require(is_int(c) and MIN_CHUNK_TOKENS <= c <= MAX_CHUNK_TOKENS, what, "chunk_tokens")
+        require(not wholes and _is_hex_id(h.get("skeleton")) and bool(stats), what, "skeleton")
+        require(n_tokens > 0 and len(chunks) == -(-n_tokens // c), what, "chunk count")
         for level, stats_id in stats.items():
-            _require(level in codec.LEVELS and (stats_id is None or _is_hex_id(stats_id)), what, "stats")
+            require(level in codec.LEVELS and (stats_id is None or _is_hex_id(stats_id)), what, "stats")
         for entry in chunks:
-            _require(isinstance(entry, dict) and _is_hex_id(entry.get("key")), what, "chunk key")
+            require(isinstance(entry, dict) and _is_hex_id(entry.get("key")), what, "chunk key")
             sizes = entry.get("sizes")
-            _require(isinstance(sizes, dict) and bool(sizes), what, "chunk sizes")
+            require(isinstance(sizes, dict) and bool(sizes), what, "chunk sizes")
             for level, size in sizes.items():
-                _require(
-                    level in stats and (size is None or (_is_int(size) and size >= 0)), what, "chunk sizes"
+                require(
+                    level in stats and (size is None or (is_int(size) and size >= 0)),
+                    what,
+                    "chunk sizes",
                 )
             manifest.chunks.append(ChunkEntry(entry["key"], dict(sizes)))
         manifest.skeleton, manifest.stats = h["skeleton"], dict(stats)

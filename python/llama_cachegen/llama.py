@@ -29,13 +29,12 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals
 
-from . import codec
+from . import codec, envelope
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, ModelMismatchError
 from .stores import read_url, write_url
 
 ENVELOPE_MAGIC = b"LCGL"
 ENVELOPE_VERSION = 1
-_PREFIX = struct.Struct("<4sII")
 _MAX_HEADER = 1 << 20
 
 _GGML_TYPE_NAMES = {
@@ -84,55 +83,35 @@ class StateMeta:
     def pack(self) -> bytes:
         tokens = np.ascontiguousarray(self.tokens, dtype="<i4")
         logits = np.ascontiguousarray(self.logits if self.logits is not None else [], dtype="<f4")
-        header = json.dumps(
-            {
-                "fingerprint": self.fingerprint,
-                "scope": self.scope,
-                "seq_id": self.seq_id,
-                "n_ctx": self.n_ctx,
-                "n_tokens": int(tokens.size),
-                "n_logits": int(logits.size),
-                "seed": self.seed,
-            },
-            sort_keys=True,
-        ).encode()
-        return (
-            _PREFIX.pack(ENVELOPE_MAGIC, ENVELOPE_VERSION, len(header))
-            + header
-            + tokens.tobytes()
-            + logits.tobytes()
-        )
+        header = {
+            "fingerprint": self.fingerprint,
+            "scope": self.scope,
+            "seq_id": self.seq_id,
+            "n_ctx": self.n_ctx,
+            "n_tokens": int(tokens.size),
+            "n_logits": int(logits.size),
+            "seed": self.seed,
+        }
+        return envelope.pack(ENVELOPE_MAGIC, ENVELOPE_VERSION, header, tokens, logits)
 
     @classmethod
     def unpack(cls, data: bytes) -> StateMeta:
         """Parses an envelope; anything malformed (or no envelope at all) is a CorruptDataError."""
-        if len(data) < _PREFIX.size or data[:4] != ENVELOPE_MAGIC:
-            raise CorruptDataError("the container holds no llama-cachegen llama-cpp-python envelope")
-        _, version, header_size = _PREFIX.unpack_from(data)
-        if version != ENVELOPE_VERSION:
-            raise CorruptDataError(f"envelope version {version}; this release reads {ENVELOPE_VERSION}")
-        if header_size > min(_MAX_HEADER, len(data) - _PREFIX.size):
-            raise CorruptDataError(f"envelope header of {header_size} bytes overruns the envelope")
-        try:
-            header = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + header_size]).decode("utf-8"))
-        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, too many digits
-            raise CorruptDataError(f"unreadable envelope header: {type(exc).__name__}") from None
-        _envelope_check(isinstance(header, dict), "the header is not an object")
+        header, offset = envelope.unpack(data, ENVELOPE_MAGIC, ENVELOPE_VERSION, _MAX_HEADER, "envelope")
         n_tokens, n_logits = header.get("n_tokens"), header.get("n_logits")
         n_ctx, seq_id, seed = header.get("n_ctx"), header.get("seq_id"), header.get("seed")
         fingerprint, scope = header.get("fingerprint"), header.get("scope")
-        _envelope_check(scope in ("all", "seq"), "scope")
-        _envelope_check(_is_int(n_tokens) and 0 <= n_tokens <= _MAX_ENVELOPE_TOKENS, "n_tokens")
-        _envelope_check(_is_int(n_logits) and 0 <= n_logits <= _MAX_ENVELOPE_TOKENS, "n_logits")
-        _envelope_check(_is_int(n_ctx) and n_ctx >= 0, "n_ctx")
-        _envelope_check(seq_id is None or (_is_int(seq_id) and seq_id >= 0), "seq_id")
-        _envelope_check(seed is None or _is_int(seed), "seed")
-        _envelope_check(
+        _check(scope in ("all", "seq"), "scope")
+        _check(envelope.is_int(n_tokens) and 0 <= n_tokens <= _MAX_ENVELOPE_TOKENS, "n_tokens")
+        _check(envelope.is_int(n_logits) and 0 <= n_logits <= _MAX_ENVELOPE_TOKENS, "n_logits")
+        _check(envelope.is_int(n_ctx) and n_ctx >= 0, "n_ctx")
+        _check(seq_id is None or (envelope.is_int(seq_id) and seq_id >= 0), "seq_id")
+        _check(seed is None or envelope.is_int(seed), "seed")
+        _check(
             isinstance(fingerprint, dict)
             and all(v is None or isinstance(v, (str, int, float)) for v in fingerprint.values()),
             "fingerprint",
         )
-        offset = _PREFIX.size + header_size
         if len(data) != offset + 4 * (n_tokens + n_logits):
             raise CorruptDataError("envelope arrays do not match their declared sizes")
         tokens = np.frombuffer(data, dtype="<i4", count=n_tokens, offset=offset).astype(np.intc)
@@ -148,13 +127,8 @@ class StateMeta:
         )
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _envelope_check(ok: bool, what: str) -> None:
-    if not ok:
-        raise CorruptDataError(f"invalid envelope header: {what}")
+def _check(ok: bool, field_name: str) -> None:
+    envelope.require(ok, "envelope header", field_name)
 
 
 @dataclass

@@ -1,0 +1,57 @@
+"""The binary envelopes of llama-cachegen's own metadata (a saved state's llama-cpp-python fields,
+chunk headers, manifests): magic, u32 version, u32 header size, a JSON header, then arrays.
+
+Readers bound every size before use, parse JSON only (never pickle), and turn anything malformed
+into a CorruptDataError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+from .errors import CacheGenError, CorruptDataError
+
+PREFIX = struct.Struct("<4sII")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def require(ok: bool, what: str, field_name: str) -> None:
+    if not ok:
+        raise CorruptDataError(f"invalid {what}: {field_name}")
+
+
+def pack(magic: bytes, version: int, header: dict[str, Any], *arrays: np.ndarray) -> bytes:
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return PREFIX.pack(magic, version, len(text)) + text + b"".join(a.tobytes() for a in arrays)
+
+
+def unpack(
+    data: bytes,
+    magic: bytes,
+    version: int,
+    max_header: int,
+    what: str,
+    version_error: type[CacheGenError] = CorruptDataError,
+) -> tuple[dict[str, Any], int]:
+    """The JSON header and the offset of the arrays after it. Another version raises
+    `version_error`; anything else malformed, CorruptDataError."""
+    if len(data) < PREFIX.size or data[:4] != magic:
+        raise CorruptDataError(f"not a llama-cachegen {what} (magic {bytes(data[:4])!r})")
+    _, found, size = PREFIX.unpack_from(data)
+    if found != version:
+        raise version_error(f"{what} version {found}; this release reads {version}")
+    if size > min(max_header, len(data) - PREFIX.size):
+        raise CorruptDataError(f"{what} header of {size} bytes overruns the object")
+    try:
+        header = json.loads(bytes(data[PREFIX.size : PREFIX.size + size]).decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, too many digits
+        raise CorruptDataError(f"unreadable {what} header: {type(exc).__name__}") from None
+    require(isinstance(header, dict), what, "the header is not an object")
+    return header, PREFIX.size + size
