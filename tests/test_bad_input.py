@@ -128,6 +128,25 @@ def test_absurd_sizes_are_refused_before_allocating(blob: bytes) -> None:
         lcg.decode(many_sections)
 
 
+def test_a_forged_state_size_is_refused_before_allocating(blob: bytes) -> None:
+    """Issue 7: a container declaring a state 1000x its size (within the expansion bound) made
+    decode zero that much memory before the layout check refused it. The layout is now checked
+    first: the forged decode peaks far below the honest one's output."""
+    import tracemalloc
+
+    forged = bytearray(blob)
+    struct.pack_into("<Q", forged, 16, 1000 * len(blob))
+    forged = reseal(forged)
+    tracemalloc.start()
+    try:
+        with pytest.raises(lcg.CorruptDataError, match="segments add up"):
+            lcg.decode(forged)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(blob) + (1 << 20) < 1000 * len(blob)
+
+
 def test_forged_layout_is_inconsistent(blob: bytes) -> None:
     layout = next((off, size) for t, _, off, size in sections(blob) if t == 1)
     for field_offset, value in ((4, 1 << 31), (8, 1 << 31), (36 + 16, 1 << 30), (36 + 20, 3), (36 + 24, 0)):
