@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,6 +79,7 @@ _GUESS_RATIO = {"lossless": 0.85, "high": 0.48, "balanced": 0.3, "compact": 0.22
 _SMOOTHING = 0.3  # weight of the newest throughput sample (and prefill speed)
 _SLO_SHARE = 0.9  # plans fit this share of the time left: estimates are noisy
 _ABANDON_FACTOR = 2.0  # a fetch may take this many times its prediction, or the chunk's compute time
+_RECENT = 3  # throughput samples whose slowest bounds the plans
 _LOOKAHEAD = 2  # chunks decided (fetched or planned as text) ahead of the one being assembled
 _CALIBRATION_TOKENS = 128
 _RESTORE_BPS = 2e9  # llama.cpp's set_data copies about this many state bytes per second
@@ -312,6 +314,7 @@ class _Loader:
         self.skeleton = b""
         self.per_token = 0.0  # f16 state bytes per position
         self.skeleton_s = 0.0
+        self.recent_inv_bw: deque[float] = deque(maxlen=_RECENT)
 
     # -- estimates --
 
@@ -333,7 +336,9 @@ class _Loader:
         if self.oracle is not None:
             return self.oracle(int(nbytes))
         assert self.inv_bw is not None
-        return nbytes * self.inv_bw
+        # plans assume the slowest of the last few chunks: on a link whose rate swings, the mean
+        # fills the budget with levels that a slow spell then stretches past the SLO
+        return nbytes * max(self.inv_bw, *self.recent_inv_bw)
 
     def _mbps(self) -> float | None:
         if self.oracle is not None:
@@ -350,6 +355,7 @@ class _Loader:
         if job.error is None and job.bytes:
             inv = job.seconds / job.bytes
             self.inv_bw = inv if self.inv_bw is None else (1 - _SMOOTHING) * self.inv_bw + _SMOOTHING * inv
+            self.recent_inv_bw.append(inv)
 
     def _pending_text_s(self, i: int) -> float:
         return sum(self._text_s(k) for k in range(i, len(self.plan)) if self.plan[k] == TEXT)
