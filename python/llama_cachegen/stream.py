@@ -338,7 +338,7 @@ class _Loader:
         assert self.inv_bw is not None
         # plans assume the slowest of the last few chunks: on a link whose rate swings, the mean
         # fills the budget with levels that a slow spell then stretches past the SLO
-        return nbytes * max(self.inv_bw, *self.recent_inv_bw)
+        return nbytes * max([self.inv_bw, *self.recent_inv_bw])
 
     def _mbps(self) -> float | None:
         if self.oracle is not None:
