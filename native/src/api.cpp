@@ -258,13 +258,8 @@ int lcg_skeleton_state(const void * skeleton, size_t skeleton_size, uint32_t n_p
                        size_t * written) {
     return guarded([&] {
         LCG_CHECK(skeleton != nullptr && written != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
-        const std::vector<uint8_t> state = skeleton_state(static_cast<const uint8_t *>(skeleton), skeleton_size, n_pos);
-        *written = state.size();
-        if (dst != nullptr) {
-            LCG_CHECK(dst_capacity >= state.size(), LCG_ERR_DST_TOO_SMALL,
-                      "destination holds %zu bytes, the state needs %zu", dst_capacity, state.size());
-            std::memcpy(dst, state.data(), state.size());
-        }
+        *written = skeleton_state(static_cast<const uint8_t *>(skeleton), skeleton_size, n_pos,
+                                  static_cast<uint8_t *>(dst), dst_capacity);
     });
 }
 

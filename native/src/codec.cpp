@@ -361,15 +361,25 @@ size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, siz
     return state_size;
 }
 
-std::vector<uint8_t> skeleton_state(const uint8_t * data, size_t size, uint32_t n_pos) {
+size_t skeleton_state(const uint8_t * data, size_t size, uint32_t n_pos, uint8_t * dst, size_t dst_capacity) {
     const ContainerView c = read_part(data, size, LCG_PART_SKELETON, "a skeleton");
+    if (n_pos == c.header.pos_end && n_pos > 0) {  // all its positions: the skeleton decodes in place
+        const size_t n = decoded_size(data, size);
+        if (dst != nullptr) {
+            decode_whole(data, size, 1, dst, dst_capacity);
+        }
+        return n;
+    }
     std::vector<uint8_t> full(decoded_size(data, size));
     decode_whole(data, size, 1, full.data(), full.size());
     const ParsedState st = parse_state(full.data(), full.size(), c.header.state_kind);
-    if (n_pos == chunkable_positions(st)) {
-        return full;
+    const std::vector<uint8_t> prefix = prefix_state(full.data(), full.size(), st, n_pos, false);
+    if (dst != nullptr) {
+        LCG_CHECK(dst_capacity >= prefix.size(), LCG_ERR_DST_TOO_SMALL, "destination holds %zu bytes, the state needs %zu",
+                  dst_capacity, prefix.size());
+        std::memcpy(dst, prefix.data(), prefix.size());
     }
-    return prefix_state(full.data(), full.size(), st, n_pos, false);
+    return prefix.size();
 }
 
 std::unique_ptr<Chunker> chunker_init(const uint8_t * state, size_t size, const EncodeOptions & opt) {

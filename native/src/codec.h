@@ -54,8 +54,9 @@ struct DecodeSink {
                         const TensorDesc & dst, const std::vector<uint32_t> & row_cell) = 0;
 };
 size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, size_t dst_capacity, DecodeSink & sink);
-// The state of a skeleton's first n_pos positions, K/V zero.
-std::vector<uint8_t> skeleton_state(const uint8_t * data, size_t size, uint32_t n_pos);
+// Writes the state of a skeleton's first n_pos positions, K/V zero, into dst (NULL: only its size)
+// and returns its size. All positions decode straight into dst; a prefix is built aside first.
+size_t skeleton_state(const uint8_t * data, size_t size, uint32_t n_pos, uint8_t * dst, size_t dst_capacity);
 
 // Chunk encoding of one state at one level: parsed and quantized once, then cut at will.
 struct Chunker {
