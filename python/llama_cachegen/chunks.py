@@ -46,7 +46,6 @@ from .llama import (
     FINGERPRINT_FIELDS,
     LoadReport,
     StateMeta,
-    _forget,
     _seq_id_ok,
     capture_meta,
     capture_state,
@@ -54,7 +53,7 @@ from .llama import (
     fingerprint_key,
     load_compressed_state,
     model_fingerprint,
-    restore_state,
+    restore_context,
 )
 
 KEY_DOMAIN = b"llama-cachegen chunks v2\x00"
@@ -706,29 +705,6 @@ def _check_room(llm: llama_cpp.Llama, n_tokens: int) -> None:
         raise ModelMismatchError(f"context too small: the state holds {n_tokens} tokens, n_ctx is {n_ctx}")
 
 
-def _restore(
-    llm: llama_cpp.Llama, state: bytearray, target: int | None, tokens: np.ndarray, logits: np.ndarray | None
-) -> None:
-    """One llama.cpp set call; if llama.cpp refuses, the context is put back as it was (else
-    cleared). Then llama-cpp-python's tokens and last logits, as load_compressed_state sets them."""
-    backup = capture_state(llm, target)
-    if not restore_state(llm, state, target):
-        restored = restore_state(llm, backup, target)
-        if not restored:
-            _forget(llm, target)
-        raise ModelMismatchError(
-            "llama.cpp refused the assembled state (see its log); the context was "
-            + ("put back as it was" if restored else "cleared: it could not be put back")
-        )
-    if target in (None, 0):
-        n = int(tokens.size)
-        llm.input_ids[:n] = tokens
-        llm.n_tokens = n
-        if logits is not None and n and llm._logits_all and logits.size == llm.n_vocab():
-            llm.scores[n - 1] = logits
-        llm._requires_eval = True  # llama.cpp keeps no logits in a state: the last token is decoded again
-
-
 def load_chunked(
     llm: llama_cpp.Llama,
     url: str | Path,
@@ -768,7 +744,7 @@ def load_chunked(
         t1 = time.perf_counter()
         state, _, figures = _assemble(reader, m.skeleton, threads)
     t2 = time.perf_counter()
-    _restore(llm, state, target, tokens, m.meta.logits)
+    restore_context(llm, state, target, tokens, m.meta.logits)
     t3 = time.perf_counter()
     bytes_read = len(data) + reader.bytes_read
     return LoadReport(
@@ -893,7 +869,7 @@ def load_prefix(
         state, skeleton, figures = _assemble(reader, None, threads)
     target = _target("all" if codec.inspect(skeleton)["kind"] == "full_buffer" else "seq", seq_id)
     t2 = time.perf_counter()
-    _restore(llm, state, target, prefix, None)
+    restore_context(llm, state, target, prefix, None)
     t3 = time.perf_counter()
     return LoadReport(
         tokens=match.positions if target in (None, 0) else 0,

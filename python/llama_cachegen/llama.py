@@ -351,6 +351,33 @@ def load_compressed_state(
         )
     state = codec.decode(blob, threads=threads)
     t2 = time.perf_counter()
+    restore_context(llm, state, target, meta.tokens, meta.logits)
+    own = target in (None, 0)
+    t3 = time.perf_counter()
+    return LoadReport(
+        tokens=int(meta.tokens.size) if own else 0,
+        cells=int(info["cells"]),
+        bytes_read=len(blob),
+        state_bytes=len(state),
+        ratio=len(state) / len(blob),
+        read_ms=(t1 - t0) * 1e3,
+        decode_ms=(t2 - t1) * 1e3,
+        restore_ms=(t3 - t2) * 1e3,
+        seq_id=target,
+    )
+
+
+def restore_context(
+    llm: llama_cpp.Llama,
+    state: bytes | bytearray,
+    target: int | None,
+    tokens: np.ndarray,
+    logits: np.ndarray | None,
+) -> None:
+    """Loads `state` into the whole context (target None) or sequence `target` with one llama.cpp
+    call; if llama.cpp refuses, the context is put back as it was (else cleared) and
+    ModelMismatchError raised. For the whole context or sequence 0, llama-cpp-python's token list
+    and last logits follow, so the next completion evaluates only what comes after `tokens`."""
     backup = capture_state(llm, target)
     if not restore_state(llm, state, target):
         restored = restore_state(llm, backup, target)
@@ -365,26 +392,13 @@ def load_compressed_state(
                 else "the context could not be put back and was cleared"
             )
         )
-    own = target in (None, 0)
-    if own:
-        n = int(meta.tokens.size)
-        llm.input_ids[:n] = meta.tokens
+    if target in (None, 0):
+        n = int(tokens.size)
+        llm.input_ids[:n] = tokens
         llm.n_tokens = n
-        if meta.logits is not None and n and llm._logits_all and meta.logits.size == llm.n_vocab():
-            llm.scores[n - 1] = meta.logits
+        if logits is not None and n and llm._logits_all and logits.size == llm.n_vocab():
+            llm.scores[n - 1] = logits
         llm._requires_eval = True  # llama.cpp keeps no logits in a state: the next token is decoded again
-    t3 = time.perf_counter()
-    return LoadReport(
-        tokens=int(meta.tokens.size) if own else 0,
-        cells=int(info["cells"]),
-        bytes_read=len(blob),
-        state_bytes=len(state),
-        ratio=len(state) / len(blob),
-        read_ms=(t1 - t0) * 1e3,
-        decode_ms=(t2 - t1) * 1e3,
-        restore_ms=(t3 - t2) * 1e3,
-        seq_id=target,
-    )
 
 
 def _forget(llm: llama_cpp.Llama, seq_id: int | None) -> None:

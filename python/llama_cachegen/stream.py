@@ -62,6 +62,7 @@ from .llama import (
     fingerprint_key,
     load_compressed_state,
     model_fingerprint,
+    restore_context,
     restore_state,
 )
 
@@ -718,7 +719,7 @@ def load_streaming(
             t2 = time.perf_counter()
             if buffered:
                 assert loader.state is not None
-                chunks._restore(llm, loader.state, target, tokens, m.meta.logits)
+                restore_context(llm, loader.state, target, tokens, m.meta.logits)
             else:
                 _set_tokens(llm, target, tokens)
         except BaseException:
