@@ -1,10 +1,16 @@
-"""Shared fixtures: the real model, real text, real llama.cpp states, and a synthetic state builder
-for the layouts SmolLM2 cannot produce (cell ext, interleaved SWA, hybrid tails, many streams)."""
+"""Shared fixtures: the real model, real text, real llama.cpp states, real store servers
+(redis-server, `llama-cachegen serve`), and a synthetic state builder for the layouts SmolLM2
+cannot produce (cell ext, interleaved SWA, hybrid tails, many streams)."""
 
 from __future__ import annotations
 
+import shutil
+import socket
 import struct
-from collections.abc import Sequence
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +20,59 @@ from llama_cachegen import quality
 from llama_cachegen.model import default_model_path, sample_text
 
 IO_MAGIC = 0xAF143CD8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on port {port}")
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server binary not installed (apt-get install redis-server)")
+    pytest.importorskip("redis", reason="the redis Python package is not installed")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port, proc)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """`llama-cachegen serve` on a folder: (its URL, the folder)."""
+    root = tmp_path_factory.mktemp("http-store")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cachegen", "serve", "--dir", str(root), "--port", str(port)]
+    )
+    try:
+        wait_port(port, proc)
+        yield f"http://127.0.0.1:{port}", root
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,6 @@ from llama_cachegen.errors import (
 from llama_cachegen.llama import Llama, capture_state, model_fingerprint, restore_state
 from llama_cachegen.model import default_model_path, sample_text
 from llama_cachegen.quality import compare_logits
-from test_stores import http_server, redis_url  # noqa: F401 - fixtures
 
 N, CONT = 1030, 16  # N is divisible by none of the chunk sizes below
 LEVELS = ("lossless", "balanced")

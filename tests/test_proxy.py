@@ -7,7 +7,6 @@ import contextlib
 import json
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import free_port
 from llama_cachegen.errors import CorruptDataError
 from llama_cachegen.model import default_model_path, sample_text
 from llama_cachegen.proxy import (
@@ -100,12 +100,6 @@ def _env_without_token() -> dict[str, str]:
 # ---- processes ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -151,31 +145,6 @@ def llama_server() -> Path:
         pytest.skip(f"llama-server is missing and could not be built: {exc}")
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server binary not installed (apt-get install redis-server)")
-    pytest.importorskip("redis", reason="the redis Python package is not installed")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        _stop(proc)
-
-
 @dataclass
 class Node:
     server: str  # llama-server URL
@@ -193,7 +162,7 @@ class Cluster:
     def server(self, name: str) -> tuple[str, Path]:
         slot_dir = self.root / f"slots-{name}"
         slot_dir.mkdir()
-        port = _free_port()
+        port = free_port()
         log = open(self.root / f"server-{name}.log", "wb")  # noqa: SIM115 - kept for the process
         proc = subprocess.Popen(
             [str(self.binary), "-m", str(default_model_path()), "-c", str(N_CTX), "-np", "1", "-t", "1",
@@ -207,7 +176,7 @@ class Cluster:
         return url, slot_dir
 
     def proxy(self, server: str, slot_dir: Path, store: str, *extra: str) -> str:
-        port = _free_port()
+        port = free_port()
         log = open(self.root / f"proxy-{port}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
             [sys.executable, "-m", "llama_cachegen", "proxy", "--server", server, "--slot-dir", str(slot_dir),
@@ -389,7 +358,7 @@ def test_concurrent_requests(nodes: tuple[Node, Node]) -> None:
 
 def test_store_down_still_answers(nodes: tuple[Node, Node], cluster: Cluster) -> None:
     a, _ = nodes
-    dead = f"redis://127.0.0.1:{_free_port()}/0"
+    dead = f"redis://127.0.0.1:{free_port()}/0"
     proxy = cluster.proxy(a.server, a.slot_dir, dead)
     prompt = sample_text("gpl-3.0.txt")[:1500] + "\n\nQuestion: who wrote this?\nAnswer:"
     out, headers = _complete(proxy, prompt)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -15,62 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import free_port, wait_port
 from llama_cachegen.errors import AuthenticationError, EntryNotFoundError, InvalidArgumentError, StoreError
 from llama_cachegen.stores import KEY_ENV, TAG_MAGIC, Store, open_store, read_url, write_url
 from llama_cachegen.stores.file import FileStore
 from llama_cachegen.stores.http import TOKEN_ENV
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on port {port}")
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server binary not installed (apt-get install redis-server)")
-    pytest.importorskip("redis", reason="the redis Python package is not installed")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        _wait_port(port, proc)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    root = tmp_path_factory.mktemp("http-store")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cachegen", "serve", "--dir", str(root), "--port", str(port)]
-    )
-    try:
-        _wait_port(port, proc)
-        yield f"http://127.0.0.1:{port}", root
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture(params=["file", "redis", "http"])
@@ -235,14 +183,14 @@ def test_read_write_url_tag_with_the_file_name(tmp_path: Path, http_server: tupl
 
 
 def _serve(root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "llama_cachegen", "serve", "--dir", str(root), "--port", str(port), *args],
         env={**os.environ, **(env or {})},
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_port(port, proc)
+    wait_port(port, proc)
     return proc, port
 
 

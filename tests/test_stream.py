@@ -24,7 +24,6 @@ from llama_cachegen.errors import InvalidArgumentError, StoreError
 from llama_cachegen.llama import Llama, capture_state, restore_state
 from llama_cachegen.model import default_model_path
 from llama_cachegen.shaper import Relay, Trace, mbit
-from test_stores import http_server, redis_url  # noqa: F401 - fixtures
 
 N, C = 600, 128  # five chunks, the last one partial
 CHUNKS = -(-N // C)
