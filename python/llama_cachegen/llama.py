@@ -392,6 +392,14 @@ def restore_context(
                 else "the context could not be put back and was cleared"
             )
         )
+    set_tokens(llm, target, tokens, logits)
+
+
+def set_tokens(
+    llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray, logits: np.ndarray | None = None
+) -> None:
+    """llama-cpp-python's token list (and last logits, when kept) for KV that now holds `tokens`:
+    only for the whole context or sequence 0, the ones llama-cpp-python tracks."""
     if target in (None, 0):
         n = int(tokens.size)
         llm.input_ids[:n] = tokens
@@ -401,14 +409,19 @@ def restore_context(
         llm._requires_eval = True  # llama.cpp keeps no logits in a state: the next token is decoded again
 
 
-def _forget(llm: llama_cpp.Llama, seq_id: int | None) -> None:
-    """Empties what a failed restore left (the whole context, or one sequence) and, where that
-    is llama-cpp-python's own, its token list: nothing claims KV that is not there."""
+def forget_kv(llm: llama_cpp.Llama, seq_id: int | None) -> None:
+    """Empties the KV of the whole context (seq_id None) or of one sequence."""
     memory = llama_cpp.llama_get_memory(llm.ctx)
     if seq_id is None:
         llama_cpp.llama_memory_clear(memory, True)
     else:
         llama_cpp.llama_memory_seq_rm(memory, seq_id, -1, -1)
+
+
+def _forget(llm: llama_cpp.Llama, seq_id: int | None) -> None:
+    """Empties what a failed restore left and, where that is llama-cpp-python's own, its token
+    list: nothing claims KV that is not there."""
+    forget_kv(llm, seq_id)
     if seq_id in (None, 0):
         llm.n_tokens = 0
 

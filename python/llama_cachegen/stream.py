@@ -28,7 +28,7 @@ fetched once more; if that fails too, the rest is computed from text. A text chu
 llama.cpp on top of the chunks before it (restored from the buffer), read back and spliced into
 the buffer; later chunks can still be fetched. The context is touched by text chunks only, and is
 put back as it was if the load fails; it takes the assembled state in one llama.cpp call at the
-end (chunks._restore), llama-cpp-python's tokens and last logits with it. `slo_s` None: no
+end (llama.restore_context), llama-cpp-python's tokens and last logits with it. `slo_s` None: no
 adaptation, the best level stored per chunk (or `level`), text only for failures.
 
 Expected quality: the token-weighted mean of a per-level KL figure (`LEVEL_KL`, measured by
@@ -60,10 +60,12 @@ from .llama import (
     capture_state,
     check_fingerprint,
     fingerprint_key,
+    forget_kv,
     load_compressed_state,
     model_fingerprint,
     restore_context,
     restore_state,
+    set_tokens,
 )
 
 TEXT = "text"
@@ -515,7 +517,7 @@ class _Loader:
         seq = 0 if self.target is None else self.target
         if self.held != b:
             if b == 0:
-                _forget_kv(memory, self.target)
+                forget_kv(self.llm, self.target)
             else:
                 before = codec.skeleton_state(self.skeleton, b)
                 codec.splice(before, self.state, 0, b)
@@ -610,8 +612,7 @@ class _Loader:
     def _compute_all(self) -> None:
         """Every chunk computed into the context itself (no skeleton, so no buffer)."""
         self.backup = (self._capture(),)
-        memory = llama_cpp.llama_get_memory(self.llm.ctx)
-        _forget_kv(memory, self.target)
+        forget_kv(self.llm, self.target)
         seq = 0 if self.target is None else self.target
         for rec in self.records:
             start = time.perf_counter()
@@ -623,22 +624,6 @@ class _Loader:
             rec.compute_ms = (time.perf_counter() - start) * 1e3
             if self.progress is not None:
                 self.progress(rec)
-
-
-def _set_tokens(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) -> None:
-    """llama-cpp-python's token list after the context was computed in place (as _restore sets it)."""
-    if target in (None, 0):
-        n = int(tokens.size)
-        llm.input_ids[:n] = tokens
-        llm.n_tokens = n
-        llm._requires_eval = True
-
-
-def _forget_kv(memory: Any, target: int | None) -> None:
-    if target is None:
-        llama_cpp.llama_memory_clear(memory, True)
-    else:
-        llama_cpp.llama_memory_seq_rm(memory, target, -1, -1)
 
 
 def load_streaming(
@@ -721,7 +706,7 @@ def load_streaming(
                 assert loader.state is not None
                 restore_context(llm, loader.state, target, tokens, m.meta.logits)
             else:
-                _set_tokens(llm, target, tokens)
+                set_tokens(llm, target, tokens)
         except BaseException:
             loader.rollback()
             raise
