@@ -107,16 +107,24 @@ def _tokens(state: llama_cpp.llama.LlamaState) -> list[int]:
     return state.input_ids[: state.n_tokens].tolist()
 
 
-def test_eviction_keeps_the_byte_capacity_and_is_lru(
-    tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
-) -> None:
+def _room_for_three_and_a_half(
+    tmp_path: Path, state: llama_cpp.llama.LlamaState
+) -> tuple[CompressedStateCache, int]:
+    """A cache in tmp_path/c with room for 3.5 contexts like `state`, and one context's bytes."""
     llm = _llama()
     probe = CompressedStateCache(tmp_path / "probe", level="lossless", chunk_tokens=C, model=llm)
-    probe[_tokens(states[0])] = states[0]
+    probe[_tokens(state)] = state
     entry = probe.cache_size
     cache = CompressedStateCache(
         tmp_path / "c", level="lossless", chunk_tokens=C, capacity_bytes=int(entry * 3.5), model=llm
     )
+    return cache, entry
+
+
+def test_eviction_keeps_the_byte_capacity_and_is_lru(
+    tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
+) -> None:
+    cache, entry = _room_for_three_and_a_half(tmp_path, states[0])
     for s in states[:3]:
         cache[_tokens(s)] = s
         time.sleep(0.01)
@@ -194,13 +202,7 @@ os._exit(0)  # dies mid-write: the temporary stays
 def test_partial_writes_count_against_capacity_and_dead_ones_go_at_once(
     tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
 ) -> None:
-    llm = _llama()
-    probe = CompressedStateCache(tmp_path / "probe", level="lossless", chunk_tokens=C, model=llm)
-    probe[_tokens(states[0])] = states[0]
-    entry = probe.cache_size
-    cache = CompressedStateCache(
-        tmp_path / "c", level="lossless", chunk_tokens=C, capacity_bytes=int(entry * 3.5), model=llm
-    )
+    cache, entry = _room_for_three_and_a_half(tmp_path, states[0])
     subprocess.run(
         [sys.executable, "-c", _DEAD_WRITER, str(tmp_path / "c"), str(entry)], check=True, timeout=60
     )
