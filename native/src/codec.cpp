@@ -284,12 +284,15 @@ uint8_t * encode_skeleton(const uint8_t * state, size_t size, int32_t kind, size
     return write_container(h, sections, out_size);
 }
 
-size_t decoded_size(const uint8_t * data, size_t size) {
-    const ContainerView c = read_container(data, size);
+namespace {
+
+// The layout of a whole container or skeleton, checked against its verbatim section: everything
+// the state's size rests on, before anyone allocates it.
+Layout state_layout(const ContainerView & c) {
     LCG_CHECK(c.header.part == LCG_PART_WHOLE || c.header.part == LCG_PART_SKELETON, LCG_ERR_INVALID_ARGUMENT,
               "a %s object does not decode to a state on its own",
               c.header.part == LCG_PART_STATS ? "statistics" : "chunk");
-    const Layout L = read_layout(c);
+    Layout L = read_layout(c);
     uint64_t verbatim = 0;
     for (const Segment & s : L.segments) {
         verbatim += s.tensor < 0 ? s.size : 0;
@@ -297,6 +300,14 @@ size_t decoded_size(const uint8_t * data, size_t size) {
     const lcg_section & v = only_section(c, LCG_SECTION_VERBATIM, "verbatim");
     LCG_CHECK(v.size == verbatim, LCG_ERR_CORRUPT, "verbatim section of %llu bytes, the layout needs %llu",
               (unsigned long long) v.size, (unsigned long long) verbatim);
+    return L;
+}
+
+} // namespace
+
+size_t decoded_size(const uint8_t * data, size_t size) {
+    const ContainerView c = read_container(data, size);
+    state_layout(c);
     return static_cast<size_t>(c.header.state_size);
 }
 
@@ -324,12 +335,12 @@ size_t decode_whole(const uint8_t * data, size_t size, int32_t n_threads, uint8_
 }
 
 size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, size_t dst_capacity, DecodeSink & sink) {
-    const size_t state_size = decoded_size(data, size);
     const ContainerView c = read_container(data, size);
+    const Layout L = state_layout(c);
+    const size_t state_size = static_cast<size_t>(c.header.state_size);
     for (const lcg_section & s : c.sections) {
         verify_section(c, s);
     }
-    const Layout L = read_layout(c);
     LCG_CHECK(dst_capacity >= state_size, LCG_ERR_DST_TOO_SMALL, "destination holds %zu bytes, the state needs %zu",
               dst_capacity, state_size);
     ByteReader verbatim = c.section_reader(only_section(c, LCG_SECTION_VERBATIM, "verbatim"), "verbatim section");
@@ -364,11 +375,7 @@ size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, siz
 size_t skeleton_state(const uint8_t * data, size_t size, uint32_t n_pos, uint8_t * dst, size_t dst_capacity) {
     const ContainerView c = read_part(data, size, LCG_PART_SKELETON, "a skeleton");
     if (n_pos == c.header.pos_end && n_pos > 0) {  // all its positions: the skeleton decodes in place
-        const size_t n = decoded_size(data, size);
-        if (dst != nullptr) {
-            decode_whole(data, size, 1, dst, dst_capacity);
-        }
-        return n;
+        return dst != nullptr ? decode_whole(data, size, 1, dst, dst_capacity) : decoded_size(data, size);
     }
     std::vector<uint8_t> full(decoded_size(data, size));
     decode_whole(data, size, 1, full.data(), full.size());
