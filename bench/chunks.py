@@ -1,4 +1,4 @@
-"""Chunked storage (format v2): size and speed against chunk size, and bytes saved by prefix sharing.
+"""Chunked storage (format v3): size and speed against chunk size, and bytes saved by prefix sharing.
 
     python bench/chunks.py [--tokens 2048] [--reps 3] [--threads 1] [--out bench/results]
 

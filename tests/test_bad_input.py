@@ -106,8 +106,8 @@ def test_wrong_magic_and_version(blob: bytes) -> None:
     with pytest.raises(lcg.NotAContainerError):
         lcg.decode(b"")
     newer = bytearray(blob)
-    struct.pack_into("<H", newer, 4, 3)
-    with pytest.raises(lcg.UnsupportedVersionError, match="version 3"):
+    struct.pack_into("<H", newer, 4, GOLDEN_VERSION + 1)
+    with pytest.raises(lcg.UnsupportedVersionError, match=f"version {GOLDEN_VERSION + 1}"):
         lcg.decode(reseal(newer))
     with pytest.raises(lcg.UnsupportedVersionError):
         lcg.inspect(reseal(newer))
@@ -245,33 +245,74 @@ def test_non_finite_values_fall_back_to_lossless() -> None:
 
 # ---- golden files -------------------------------------------------------------------------------
 
+# 512 symbols per stream in slices of 96: five full slices and a short one.
+GOLDEN_SLICE = 96
+GOLDEN_VERSION = 3
+
+
 def golden_state() -> bytes:
     rng = np.random.default_rng(2024)
     return seq_buffer(kv_cache_bytes(rng, n_layer=2, n_embd=32, cells_per_stream=(16,)))
 
 
+def golden_container(level: str) -> bytes:
+    return lcg.encode(golden_state(), level, threads=1, slice_elements=GOLDEN_SLICE)
+
+
 @pytest.mark.parametrize("level", ["lossless", "balanced"])
 def test_golden_containers_still_decode(level: str) -> None:
-    """Containers written by format version 2 decode to the same bytes forever, and the encoder
+    """Containers written by format version 3 decode to the same bytes forever, and the encoder
     still writes exactly them (the scalar and SIMD paths, any thread count)."""
-    blob = (DATA / f"golden-v2-{level}.lcg").read_bytes()
-    expected = (DATA / f"golden-v2-{level}.state").read_bytes()
+    blob = (DATA / f"golden-v{GOLDEN_VERSION}-{level}.lcg").read_bytes()
+    expected = (DATA / f"golden-v{GOLDEN_VERSION}-{level}.state").read_bytes()
+    assert lcg.version()[1] == GOLDEN_VERSION
     assert lcg.decode(blob) == expected
-    assert lcg.encode(golden_state(), level, threads=1) == blob
+    assert golden_container(level) == blob
     if level == "lossless":
         assert expected == golden_state()
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("level", ["lossless", "balanced"])
-def test_version_1_containers_are_refused_clearly(level: str) -> None:
-    blob = (DATA / f"golden-v1-{level}.lcg").read_bytes()
+def test_older_versions_are_refused_clearly(version: int, level: str) -> None:
+    blob = (DATA / f"golden-v{version}-{level}.lcg").read_bytes()
+    expected = f"version {version}; this library reads version 3 .*encode the state again"
     for call in (lcg.decode, lcg.inspect, lcg.decoded_size, lcg.user_meta):
-        with pytest.raises(lcg.UnsupportedVersionError, match="version 1; this library reads version 2"):
+        with pytest.raises(lcg.UnsupportedVersionError, match=expected):
             call(blob)
 
 
+def test_stream_slices_are_checked() -> None:
+    """A slice size that is not a multiple of 32 is refused at encode; a forged slice directory
+    (size, byte counts, escape counts) is refused at decode, checksums resealed."""
+    with pytest.raises(lcg.InvalidArgumentError, match="multiple of 32"):
+        lcg.encode(golden_state(), "balanced", slice_elements=48)
+    blob = golden_container("balanced")
+    _, _, off, _ = next(s for s in sections(blob) if s[0] == 3)  # the first tensor: 16 cells x 32 units
+    (n_sink,) = struct.unpack_from("<I", blob, off)
+    stream = off + 4 + 4 * n_sink + n_sink * 32 * 2 + 4  # after its exact rows and u32 stream_bytes
+    assert struct.unpack_from("<I", blob, stream) == (GOLDEN_SLICE,)
+    n_slices = -(-16 * 32 // GOLDEN_SLICE)
+    directory = [struct.unpack_from("<II", blob, stream + 4 + 8 * i) for i in range(n_slices)]
+    forged = {
+        "slice size 0": (stream, 0),
+        "slice size 33": (stream, 33),
+        "one slice": (stream, 1 << 20),
+        "a slice's bytes": (stream + 4, directory[0][0] + 2),
+        "a slice's escapes": (stream + 4 + 4, directory[0][1] + 1),
+    }
+    for what, (at, value) in forged.items():
+        bad = bytearray(blob)
+        struct.pack_into("<I", bad, at, value)
+        try:
+            lcg.decode(reseal(bad))
+        except lcg.CorruptDataError:
+            continue
+        pytest.fail(f"a forged slice directory ({what}) decoded")
+
+
 def test_golden_bad_containers_fail() -> None:
-    blob = (DATA / "golden-v2-balanced.lcg").read_bytes()
+    blob = (DATA / f"golden-v{GOLDEN_VERSION}-balanced.lcg").read_bytes()
     with pytest.raises(lcg.ChecksumError):
         lcg.decode(blob[:-1] + bytes([blob[-1] ^ 0x10]))
     with pytest.raises(lcg.TruncatedDataError):

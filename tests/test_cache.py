@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from llama_cachegen import codec
 from llama_cachegen.cache import CompressedStateCache
+from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import InvalidArgumentError
 from llama_cachegen.llama import Llama
 from llama_cachegen.model import default_model_path, sample_text
@@ -38,7 +39,7 @@ def _llama(**kwargs: object) -> Llama:
 
 
 def _chunk_objects(cache: CompressedStateCache) -> dict[str, bytes]:
-    return {i.key: cache.store.get(i.key) for i in cache.store.list("lcg2/chunks/")}
+    return {i.key: cache.store.get(i.key) for i in cache.store.list(f"{PREFIX}chunks/")}
 
 
 def test_two_processes_share_one_directory(tmp_path: Path) -> None:
@@ -167,13 +168,13 @@ def test_killed_writers_leave_no_torn_object(tmp_path: Path) -> None:
         w.wait()
     llm = _llama()
     cache = CompressedStateCache(tmp_path.as_uri(), level="lossless", chunk_tokens=C, model=llm)
-    for info in cache.store.list("lcg2/"):
+    for info in cache.store.list(PREFIX):
         codec.inspect(cache.store.get(info.key))  # every object is a whole container: checksums hold
     tokens = llm.tokenize(b"The writer's context, repeated. " * 8)
     with contextlib.suppress(KeyError):  # killed between a clear and the chunks: a clean miss
         assert cache[tokens].n_tokens % C == 0
     cache.store.sweep(max_age_s=0)
-    assert all(p.name.startswith("lcg2") for p in tmp_path.iterdir())
+    assert all(p.name.startswith(PREFIX.rstrip("/")) for p in tmp_path.iterdir())
 
 
 def test_cache_needs_its_model_and_keys_embed_the_fingerprint(
@@ -193,8 +194,9 @@ def test_cache_needs_its_model_and_keys_embed_the_fingerprint(
 
 _DEAD_WRITER = """
 import os, sys
+from llama_cachegen.chunks import PREFIX
 from llama_cachegen.stores.file import FileStore
-FileStore(sys.argv[1]).begin_write("lcg2/chunks/killed").write(b"x" * int(sys.argv[2]))
+FileStore(sys.argv[1]).begin_write(PREFIX + "chunks/killed").write(b"x" * int(sys.argv[2]))
 os._exit(0)  # dies mid-write: the temporary stays
 """
 
@@ -206,7 +208,7 @@ def test_partial_writes_count_against_capacity_and_dead_ones_go_at_once(
     subprocess.run(
         [sys.executable, "-c", _DEAD_WRITER, str(tmp_path / "c"), str(entry)], check=True, timeout=60
     )
-    live = cache.store.begin_write("lcg2/chunks/in-progress")  # a writer still at work (this process)
+    live = cache.store.begin_write(f"{PREFIX}chunks/in-progress")  # a writer still at work (this process)
     live.write(b"x" * entry)
     try:
         assert cache.cache_size == 2 * entry  # both temporaries take space
@@ -225,7 +227,7 @@ def test_partial_writes_count_against_capacity_and_dead_ones_go_at_once(
 def test_a_damaged_chunk_is_a_miss_and_goes(tmp_path: Path, states: list[llama_cpp.llama.LlamaState]) -> None:
     cache = CompressedStateCache(tmp_path, level="balanced", chunk_tokens=C, model=_llama())
     cache[_tokens(states[1])] = states[1]
-    (key, *_) = sorted(i.key for i in cache.store.list("lcg2/chunks/"))
+    (key, *_) = sorted(i.key for i in cache.store.list(f"{PREFIX}chunks/"))
     blob = bytearray(cache.store.get(key))
     blob[-5] ^= 0x40
     cache.store.put(key, bytes(blob))

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from llama_cachegen import chunks, codec, stores
+from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import (
     AuthenticationError,
     ChecksumError,
@@ -46,14 +47,14 @@ def _set(llm: Llama, state: bytes | bytearray, tokens: list[int]) -> None:
 
 
 def _objects(store: stores.Store, part: str) -> list[str]:
-    return sorted(e.key for e in store.list(f"lcg2/{part}/"))
+    return sorted(e.key for e in store.list(f"{PREFIX}{part}/"))
 
 
 def _decode_into(store: stores.Store, key: str, level: str, state: bytearray) -> None:
     """Decodes one stored chunk into `state`, with codec calls only."""
-    chunk = store.get(f"lcg2/chunks/{key}/{level}")
+    chunk = store.get(f"{PREFIX}chunks/{key}/{level}")
     stats_id = codec.inspect(chunk)["stats_id"]
-    stats = codec.Stats(store.get(f"lcg2/stats/{stats_id}"), bytes.fromhex(stats_id))
+    stats = codec.Stats(store.get(f"{PREFIX}stats/{stats_id}"), bytes.fromhex(stats_id))
     codec.decode_chunk(chunk, stats, state)
 
 
@@ -103,7 +104,7 @@ def test_lossless_rebuild_is_byte_identical_and_continues(
     manifest = chunks.read_manifest(url)
     assert manifest.chunk_tokens == c and manifest.levels == LEVELS
     with stores.open_store(str(url.parent)) as store:
-        state = codec.skeleton_state(store.get(f"lcg2/skeletons/{manifest.skeleton}"), N)
+        state = codec.skeleton_state(store.get(f"{PREFIX}skeletons/{manifest.skeleton}"), N)
         for entry in manifest.chunks:
             _decode_into(store, entry.key, "lossless", state)
         assert state == original["state"]
@@ -133,7 +134,7 @@ def test_mixed_assembly_of_decoded_and_computed_chunks(original: dict[str, Any],
     ranges = chunks.chunk_ranges(N, c)
     computed = {2, len(ranges) - 1}
     with stores.open_store(str(original["root"] / f"c{c}")) as store:
-        skeleton = store.get(f"lcg2/skeletons/{manifest.skeleton}")
+        skeleton = store.get(f"{PREFIX}skeletons/{manifest.skeleton}")
         state = codec.skeleton_state(skeleton, N)
         for i, (begin, end) in enumerate(ranges):
             if i in computed:
@@ -257,7 +258,7 @@ def _refused(target: Llama, load: Any, exc: type[Exception], match: str | None =
 
 def test_bad_chunks_are_refused_and_leave_the_context(saved_small: dict[str, Any]) -> None:
     store, manifest, target, url = (saved_small[k] for k in ("store", "manifest", "target", "url"))
-    key = [f"lcg2/chunks/{entry.key}/lossless" for entry in manifest.chunks]
+    key = [f"{PREFIX}chunks/{entry.key}/lossless" for entry in manifest.chunks]
     good = store.get(key[2])
     load = lambda: chunks.load_chunked(target, url)  # noqa: E731
 
@@ -279,9 +280,9 @@ def test_bad_chunks_are_refused_and_leave_the_context(saved_small: dict[str, Any
     _refused(target, load, ModelMismatchError, "another model")
     store.put(key[2], good)
 
-    stats_key = f"lcg2/stats/{meta.stats_id}"
+    stats_key = f"{PREFIX}stats/{meta.stats_id}"
     stats = store.get(stats_key)
-    store.put(stats_key, store.get(f"lcg2/stats/{manifest.stats['balanced']}"))
+    store.put(stats_key, store.get(f"{PREFIX}stats/{manifest.stats['balanced']}"))
     _refused(target, load, CorruptDataError, "does not hash to its id")
     store.put(stats_key, stats)
 
@@ -316,7 +317,7 @@ def test_a_bad_tag_is_refused_when_a_key_is_set(
     _set(writer, contexts["states"]["a"], contexts["tokens"]["a"])
     url = tmp_path / "ctx"
     chunks.save_chunked(writer, url, levels=("lossless",), chunk_tokens=64)
-    key = f"lcg2/chunks/{chunks.read_manifest(url).chunks[1].key}/lossless"
+    key = f"{PREFIX}chunks/{chunks.read_manifest(url).chunks[1].key}/lossless"
     with stores.open_store(str(tmp_path), auth_key="another key") as other:
         other.put(key, stores.open_store(str(tmp_path)).get(key))
     target = _llama(n_ctx=512)

@@ -25,8 +25,8 @@ import pytest
 from conftest import full_buffer, kv_cache_bytes, seq_buffer, seq_file, session_file
 from llama_cachegen import codec
 from llama_cachegen._native import ffi, lib
-from test_bad_input import DATA, reseal, sections
-from test_lanes import _cases, _state
+from test_bad_input import DATA, GOLDEN_VERSION, reseal, sections
+from test_lanes import SLICES, _cases, _state
 
 LEVELS = ("lossless", "high", "balanced", "compact")
 PACKAGE = Path(lcg.__file__).parent
@@ -144,10 +144,11 @@ def _layouts() -> dict[str, bytes]:
 def check_decode_matches_cpu() -> None:
     for name, state in _layouts().items():
         for level in LEVELS:
-            blob = lcg.encode(state, level, threads=1)
-            dev = lcg.decode(blob, device="cuda")
-            assert isinstance(dev, lcg.DeviceBuffer) and len(dev) == len(state)
-            assert dev.to_host() == lcg.decode(blob), (name, level)
+            for slices in SLICES:
+                blob = lcg.encode(state, level, threads=1, slice_elements=slices)
+                dev = lcg.decode(blob, device="cuda")
+                assert isinstance(dev, lcg.DeviceBuffer) and len(dev) == len(state)
+                assert dev.to_host() == lcg.decode(blob), (name, level, slices)
     # into a larger buffer the caller owns: only the state's bytes are written
     blob = lcg.encode(_state(64, 40, False, "outliers"), "compact")
     size = lcg.decoded_size(blob)
@@ -162,7 +163,7 @@ def check_chunks_match_cpu() -> None:
         state = _state(cells, channels, v_trans, "outliers")
         skeleton = codec.encode_skeleton(state)
         for level in LEVELS:
-            chunker = codec.Chunker(state, level)
+            chunker = codec.Chunker(state, level, slice_elements=64)
             stats = chunker.stats()
             stats_id = hashlib.sha256(stats).digest()
             opened = codec.Stats(stats, stats_id)
@@ -180,8 +181,8 @@ def check_chunks_match_cpu() -> None:
 
 def check_golden_containers() -> None:
     for level in ("lossless", "balanced"):
-        blob = (DATA / f"golden-v2-{level}.lcg").read_bytes()
-        state = (DATA / f"golden-v2-{level}.state").read_bytes()
+        blob = (DATA / f"golden-v{GOLDEN_VERSION}-{level}.lcg").read_bytes()
+        state = (DATA / f"golden-v{GOLDEN_VERSION}-{level}.state").read_bytes()
         assert lcg.decode(blob, device="cuda").to_host() == state
 
 
@@ -190,9 +191,10 @@ def check_bad_input_never_faults() -> None:
     exactly when the CPU does, with a CacheGenError, and otherwise gives the CPU's bytes."""
     rng = np.random.default_rng(5)
     blobs = [
-        lcg.encode(_state(cells, channels, tr, "outliers"), level, threads=1)
+        lcg.encode(_state(cells, channels, tr, "outliers"), level, threads=1, slice_elements=slices)
         for cells, channels, tr in [(37, 24, True), (64, 40, False)]
         for level in LEVELS
+        for slices in (None, 96)
     ]
     outcomes = {"ok": 0, "error": 0}
     for blob in blobs:

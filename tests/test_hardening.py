@@ -16,6 +16,7 @@ import pytest
 from conftest import multi_seq_llama
 from llama_cachegen import codec
 from llama_cachegen.cache import CompressedStateCache
+from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import AuthenticationError, CorruptDataError, ModelMismatchError
 from llama_cachegen.llama import (
     ENVELOPE_MAGIC,
@@ -81,11 +82,11 @@ def test_processes_differing_only_in_flash_attention_share_no_entry(
         assert _answer(llm, LONG_PROMPT) == reference[LONG_PROMPT]
     assert cache.hits == 1  # the second completion hits this context's own chunks, not the writer's
     assert model_fingerprint(llm)["flash_attn"] == "disabled"
-    assert len(cache.store.list("lcg2/skeletons/")) == 2  # one per fingerprint: nothing shared
+    assert len(cache.store.list(f"{PREFIX}skeletons/")) == 2  # one per fingerprint: nothing shared
 
 
 def _chunk_objects(cache: CompressedStateCache) -> dict[str, bytes]:
-    return {i.key: cache.store.get(i.key) for i in cache.store.list("lcg2/chunks/")}
+    return {i.key: cache.store.get(i.key) for i in cache.store.list(f"{PREFIX}chunks/")}
 
 
 def test_chunks_llama_cpp_refuses_are_dropped_as_a_miss(tmp_path: Path, reference: dict[str, str]) -> None:

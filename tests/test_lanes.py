@@ -16,6 +16,9 @@ import pytest
 from conftest import kv_cache_bytes, seq_buffer
 
 LEVELS = ("lossless", "high", "balanced", "compact")
+# Stream slices (docs/format.md, "Streams"): the default, one step, and 3 steps (a last slice of
+# any length below it).
+SLICES = (None, 32, 96)
 # (cells, channels, v_trans): 1 token, 1 channel, cells and channels that are not multiples of
 # 32 / 8 / 4, and the SmolLM2 shape.
 SHAPES = [
@@ -62,13 +65,15 @@ import hashlib, sys, llama_cachegen as l
 for path in sys.argv[1:]:
     s = open(path, 'rb').read()
     for level in {levels!r}:
-        blob = l.encode(s, level, threads=1)
-        print(path, level, hashlib.sha256(blob).hexdigest(), hashlib.sha256(l.decode(blob)).hexdigest())
+        for slices in {slices!r}:
+            blob = l.encode(s, level, threads=1, slice_elements=slices)
+            digests = [hashlib.sha256(b).hexdigest() for b in (blob, l.decode(blob))]
+            print(path, level, slices, *digests)
 """
 
 
 def _digests(paths: list[str], env: dict[str, str]) -> list[str]:
-    script = _DIGESTS.format(levels=LEVELS)
+    script = _DIGESTS.format(levels=LEVELS, slices=SLICES)
     out = subprocess.run(
         [sys.executable, "-c", script, *paths], env=env, capture_output=True, check=True, text=True
     )
@@ -83,19 +88,22 @@ def test_simd_and_scalar_paths_agree_on_every_shape(tmp_path: Path) -> None:
         paths.append(str(path))
     simd = _digests(paths, dict(os.environ))
     scalar = _digests(paths, os.environ | {"LCG_NO_SIMD": "1"})
-    assert len(simd) == len(paths) * len(LEVELS)
+    assert len(simd) == len(paths) * len(LEVELS) * len(SLICES)
     assert simd == scalar
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))
 def test_round_trip_and_threads(name: str) -> None:
     state = _cases()[name]
-    assert lcg.decode(lcg.encode(state, "lossless")) == state
+    for slices in SLICES:
+        assert lcg.decode(lcg.encode(state, "lossless", slice_elements=slices)) == state
     for level in LEVELS[1:]:
         blob = lcg.encode(state, level, threads=1)
         assert lcg.encode(state, level, threads=2) == blob
         out = lcg.decode(blob, threads=2)
         assert out == lcg.decode(blob, threads=1) and len(out) == len(state)
+        for slices in SLICES[1:]:  # slicing changes the coding, never the values
+            assert lcg.decode(lcg.encode(state, level, threads=2, slice_elements=slices)) == out
         if name.endswith("constant"):  # a constant tensor comes back exactly
             tail = 2 * int(name.split("x")[0]) * int(name.split("x")[1].split("-")[0].rstrip("T"))
             assert out[-tail:] == state[-tail:]
@@ -107,7 +115,7 @@ def test_chunks_decode_to_the_whole_containers_state(chunk: int, level: str) -> 
     """Chunks share the whole state's statistics: assembling them gives the whole decode, bit for bit."""
     for cells, channels, v_trans in [(300, 64, True), (300, 64, False), (37, 24, True), (5, 1, False)]:
         state = _state(cells, channels, v_trans, "outliers")
-        chunker = lcg.codec.Chunker(state, level)
+        chunker = lcg.codec.Chunker(state, level, slice_elements=SLICES[chunk % len(SLICES)])
         stats = chunker.stats()
         stats_id = hashlib.sha256(stats).digest()
         opened = lcg.codec.Stats(stats, stats_id)

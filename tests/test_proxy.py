@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import free_port
+from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import CorruptDataError
 from llama_cachegen.model import default_model_path, sample_text
 from llama_cachegen.proxy import (
@@ -412,14 +413,14 @@ def test_killed_mid_upload_leaves_no_torn_entry(
         assert headers[RESTORED_HEADER] == "0" and out["content"]
         deadline = time.monotonic() + 60
         # the levels go up one after the other: kill once the first is whole, the others under way
-        while sum(e.key.endswith("/lossless") for e in store.list("lcg2/chunks/")) < n_chunks:
+        while sum(e.key.endswith("/lossless") for e in store.list(f"{PREFIX}chunks/")) < n_chunks:
             assert time.monotonic() < deadline and victim_proc.poll() is None, _stats(victim)
             time.sleep(0.002)
         victim_proc.send_signal(signal.SIGKILL)
         victim_proc.wait(10)
 
         entries = store.list()
-        chunk_keys = [e.key for e in entries if e.key.startswith("lcg2/chunks/")]
+        chunk_keys = [e.key for e in entries if e.key.startswith(f"{PREFIX}chunks/")]
         assert n_chunks <= len(chunk_keys) < n_chunks * len(levels), "killed after the upload, not during it"
         for entry in entries:  # every visible object whole and verified; partial writes are not entries
             value = store.get(entry.key)  # AuthenticationError if torn or untagged

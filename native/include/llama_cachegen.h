@@ -36,7 +36,7 @@
 
 /* Library version (the container format has its own version: LCG_FORMAT_VERSION). */
 #define LCG_VERSION_MAJOR 0
-#define LCG_VERSION_MINOR 2
+#define LCG_VERSION_MINOR 3
 #define LCG_VERSION_PATCH 0
 #define LCG_VERSION_NUMBER (LCG_VERSION_MAJOR * 10000 + LCG_VERSION_MINOR * 100 + LCG_VERSION_PATCH)
 
@@ -82,7 +82,7 @@ typedef enum {
     LCG_KIND_SESSION     = 4  /* llama_state_save_file: 'ggsn' v10                               */
 } lcg_state_kind;
 
-/* What a container object holds (format v2). A context can be stored whole (one object), or as a
+/* What a container object holds (format v3). A context can be stored whole (one object), or as a
  * skeleton (the state's bytes other than K/V, tiny), one statistics object per level (quantizer
  * and frequency tables, computed over the whole state) and chunks: the K/V of positions
  * [pos_begin, pos_end) at one level, each decodable on its own into its place in a state. */
@@ -111,7 +111,10 @@ typedef struct {
     /* Opaque bytes stored (checksummed) in the container, e.g. the caller's model fingerprint.  */
     const void * user_meta;
     size_t       user_meta_size; /* at most LCG_MAX_USER_META                                    */
-    uint32_t reserved[8];   /* zero                                                              */
+    /* Symbols per stream slice (docs/format.md, "Streams"): a positive multiple of 32, or 0 for
+     * 65536. Slices decode independently (CPU threads, one GPU warp each); each costs ~136 bytes. */
+    uint32_t slice_elements;
+    uint32_t reserved[7];   /* zero                                                              */
 } lcg_encode_params;
 
 /* What lcg_inspect reports about a container, from its header and layout only. */
@@ -285,13 +288,17 @@ LCG_API int lcg_device_alloc(size_t size, void ** device_ptr);
 LCG_API void lcg_device_free(void * device_ptr);
 LCG_API int lcg_device_copy(void * dst, const void * src, size_t size, void * cuda_stream);
 
+/* Where the last lcg_decode_device / lcg_decode_chunk_device of this thread spent its device time,
+ * in seconds (CUDA events): uploading the object and its plan, and the kernels. For benchmarks. */
+LCG_API void lcg_device_last_timing(double * upload_s, double * kernels_s);
+
 /* cffi-end */
 
 /* Bounds on what a header may ask for (checked before allocating). */
 #define LCG_MAX_STATE_SIZE  ((uint64_t) 1 << 40) /* 1 TiB decoded state                         */
 #define LCG_MAX_SECTIONS    (1u << 16)
 #define LCG_MAX_USER_META   ((size_t) 64 << 20)
-#define LCG_FORMAT_VERSION  2u
+#define LCG_FORMAT_VERSION  3u
 
 #ifdef __cplusplus
 }

@@ -75,6 +75,9 @@ EncodeOptions options(const lcg_encode_params * params) {
         LCG_CHECK(opt.knobs.ref_type < 0 || knob_ok(opt.knobs.ref_scale, 1e-6f, 1e6f), LCG_ERR_INVALID_ARGUMENT,
                   "error_scale %g: expected 1e-6..1e6", opt.knobs.ref_scale);
     }
+    opt.slice_elements = p.slice_elements ? p.slice_elements : rans::DEFAULT_SLICE;
+    LCG_CHECK(opt.slice_elements % rans::LANES == 0, LCG_ERR_INVALID_ARGUMENT,
+              "slice_elements %u: expected a multiple of %u", opt.slice_elements, rans::LANES);
     opt.user_meta = static_cast<const uint8_t *>(p.user_meta);
     opt.user_meta_size = p.user_meta_size;
     return opt;
@@ -371,6 +374,16 @@ int lcg_device_alloc(size_t size, void ** device_ptr) {
 }
 
 void lcg_device_free(void * device_ptr) { device_free(device_ptr); }
+
+void lcg_device_last_timing(double * upload_s, double * kernels_s) {
+    const DeviceTiming t = device_last_timing();
+    if (upload_s) {
+        *upload_s = t.upload_s;
+    }
+    if (kernels_s) {
+        *kernels_s = t.kernels_s;
+    }
+}
 
 int lcg_device_copy(void * dst, const void * src, size_t size, void * cuda_stream) {
     return guarded([&] {

@@ -259,7 +259,7 @@ uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions &
             cells[c] = c;
         }
         ByteWriter w;
-        encode_rows(state, t, enc[i], cells, is_sink[t.cell_group], w);
+        encode_rows(state, t, enc[i], cells, is_sink[t.cell_group], opt.slice_elements, w);
         rows[i] = std::move(w.buf);
     });
     std::vector<SectionPayload> sections = state_sections(state, st, stored_knobs(opt));
@@ -429,7 +429,7 @@ uint8_t * chunker_encode(const Chunker & ch, uint32_t pos_begin, uint32_t pos_en
     parallel_for(tensors.size(), ch.opt.n_threads, [&](size_t i) {
         const TensorDesc & t = ch.st.tensors[i];
         ByteWriter w;
-        encode_rows(ch.state, t, ch.tensors[i], rows[t.cell_group], ch.is_sink[t.cell_group], w);
+        encode_rows(ch.state, t, ch.tensors[i], rows[t.cell_group], ch.is_sink[t.cell_group], ch.opt.slice_elements, w);
         coded[i] = std::move(w.buf);
     });
     uint64_t kv_bytes = 0;

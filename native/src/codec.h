@@ -1,4 +1,4 @@
-// codec.h -- the objects of format v2 (docs/format.md): whole containers, skeletons, statistics
+// codec.h -- the objects of format v3 (docs/format.md): whole containers, skeletons, statistics
 // and chunks, built from a parsed state by tensor_codec and laid out by container.
 #pragma once
 
@@ -16,6 +16,7 @@ struct EncodeOptions {
     int32_t state_kind;
     int32_t n_threads;
     QuantKnobs knobs;
+    uint32_t slice_elements;  // symbols per stream slice
     const uint8_t * user_meta;
     size_t user_meta_size;
 };

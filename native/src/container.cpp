@@ -90,7 +90,7 @@ ContainerView read_container(const uint8_t * data, size_t size) {
     h.format_version = r.u16();
     LCG_CHECK(h.format_version == LCG_FORMAT_VERSION, LCG_ERR_UNSUPPORTED_VERSION,
               "container format version %u; this library reads version %u%s", h.format_version, LCG_FORMAT_VERSION,
-              h.format_version < LCG_FORMAT_VERSION ? " (written by llama-cachegen 0.1: encode the state again)" : "");
+              h.format_version < LCG_FORMAT_VERSION ? " (written by an older llama-cachegen: encode the state again)" : "");
     const uint32_t header_size = r.u16();
     LCG_CHECK(header_size == HEADER_SIZE, LCG_ERR_CORRUPT, "header size %u, expected %u", header_size, HEADER_SIZE);
     h.part = r.u8();

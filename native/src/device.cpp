@@ -4,6 +4,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -14,6 +15,8 @@ namespace {
 constexpr const char * BACKEND_FILE = "libllama_cachegen_cuda.so";
 constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;  // as tensor_codec.cpp's decoder
 constexpr size_t MSG = 512;
+
+thread_local DeviceTiming last_timing;
 
 struct Loaded {
     const cuda::Backend * backend = nullptr;
@@ -126,6 +129,25 @@ uint32_t log2_group(uint32_t group) {
     return s;
 }
 
+// The frequency tables (groups of units) that elements [k0, k1) of a tensor's memory order use.
+struct GroupRange {
+    uint32_t first, count;
+};
+GroupRange groups_of(const cuda::TensorJob & t, uint64_t k0, uint64_t k1) {
+    uint64_t u0 = 0, u1 = 0;  // units, inclusive
+    if (t.transposed) {  // outer = unit
+        u0 = k0 / t.n_inner;
+        u1 = (k1 - 1) / t.n_inner;
+    } else if (k1 - k0 >= t.n_inner || k0 / t.n_inner != (k1 - 1) / t.n_inner) {  // every unit
+        u1 = t.n_inner - 1;
+    } else {
+        u0 = k0 % t.n_inner;
+        u1 = (k1 - 1) % t.n_inner;
+    }
+    const uint32_t g0 = static_cast<uint32_t>(u0 >> t.group_shift), g1 = static_cast<uint32_t>(u1 >> t.group_shift);
+    return {g0, g1 - g0 + 1};
+}
+
 // Collects the jobs of one object, parsing each tensor section as decode_rows does.
 struct DeviceSink : DecodeSink {
     const uint8_t * container;
@@ -134,7 +156,8 @@ struct DeviceSink : DecodeSink {
     const DeviceStats::Copy * cached;  // chunk: stats already on the device
     Arena arena;                       // whole: the stats space; then rows, then the jobs
     std::vector<cuda::TensorJob> tensors;
-    std::vector<cuda::StreamJob> streams;
+    std::vector<cuda::SliceJob> slices;
+    std::vector<cuda::BlockJob> blocks;
     std::vector<cuda::PlaneJob> planes;
     std::vector<cuda::CopyJob> copies;
     std::vector<cuda::ZeroJob> zeros;
@@ -207,32 +230,48 @@ struct DeviceSink : DecodeSink {
         const size_t row_bytes = static_cast<size_t>(obj.n_units) * obj.unit_bytes;
         const uint8_t * raw = r.take(n_sink * row_bytes);
         const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
+        // A stream's slices, a warp each, in blocks of up to BLOCK_WARPS consecutive slices; returns
+        // the escapes its directory declares.
         auto stream = [&](uint32_t plane, uint64_t tables) {
             const uint32_t bytes = r.u32();
-            const uint8_t * data = r.take(bytes);
-            rans::open_stream(data, bytes);  // size and initial lane states, with the CPU's messages
-            cuda::StreamJob j{};
-            j.src = static_cast<uint64_t>(data - container);
-            j.bytes = bytes;
-            j.tables = tables;
-            j.escapes = escape_q.size();
-            j.tensor = ti;
-            j.plane = plane;
-            j.n_tables = s.n_groups;
-            streams.push_back(j);
+            const std::vector<rans::Slice> list = rans::read_slices(r.take(bytes), bytes, n, s.lossy);
+            uint64_t escapes = escape_q.size();
+            for (size_t first = 0; first < list.size(); first += cuda::BLOCK_WARPS) {
+                const size_t last = std::min(list.size(), first + cuda::BLOCK_WARPS) - 1;
+                const GroupRange g = groups_of(t, list[first].k0, list[last].k1);
+                blocks.push_back({tables + g.first * sizeof(cuda::Table), static_cast<uint32_t>(slices.size()),
+                                  static_cast<uint32_t>(last - first + 1), g.first, g.count});
+                for (size_t k = first; k <= last; k++) {
+                    const rans::Slice & sl = list[k];
+                    rans::open_stream(sl.data, sl.bytes);  // initial lane states, with the CPU's messages
+                    cuda::SliceJob j{};
+                    j.src = static_cast<uint64_t>(sl.data - container);
+                    j.bytes = sl.bytes;
+                    j.k0 = sl.k0;
+                    j.k1 = sl.k1;
+                    j.escapes = escapes;
+                    j.n_escapes = sl.count;
+                    j.tensor = ti;
+                    j.plane = plane;
+                    slices.push_back(j);
+                    escapes += sl.count;
+                }
+            }
+            return escapes - escape_q.size();
         };
         if (s.lossy) {
-            stream(0, at.tables);
+            const uint64_t declared = stream(0, at.tables);
             const uint64_t n_escapes = r.varint();
             LCG_CHECK(n_escapes <= r.remaining(), LCG_ERR_CORRUPT, "tensor declares %llu escapes in %zu bytes",
                       (unsigned long long) n_escapes, r.remaining());
+            LCG_CHECK(n_escapes == declared, LCG_ERR_CORRUPT, "tensor declares %llu escapes, its slices %llu",
+                      (unsigned long long) n_escapes, (unsigned long long) declared);
             for (uint64_t e = 0; e < n_escapes; e++) {
                 const int64_t q = zigzag_decode(r.varint());
                 LCG_CHECK(q >= -MAX_ESCAPE_Q && q <= MAX_ESCAPE_Q, LCG_ERR_CORRUPT, "escaped value %lld",
                           (long long) q);
                 escape_q.push_back(static_cast<float>(q));  // as the CPU: static_cast<float>(q)
             }
-            streams.back().n_escapes = n_escapes;
         } else {
             uint64_t tables = at.tables;
             for (uint32_t b = 0; b < obj.unit_bytes; b++) {
@@ -266,13 +305,15 @@ struct DeviceSink : DecodeSink {
         p.device_stats = device_stats;
         p.stats = 0;
         p.tensors = arena.put(tensors);
-        p.streams = arena.put(streams);
+        p.slices = arena.put(slices);
+        p.blocks = arena.put(blocks);
         p.planes = arena.put(planes);
         p.copies = arena.put(copies);
         p.zeros = arena.put(zeros);
         p.escape_values = arena.put(escape_q);
         p.n_tensors = static_cast<uint32_t>(tensors.size());
-        p.n_streams = static_cast<uint32_t>(streams.size());
+        p.n_slices = static_cast<uint32_t>(slices.size());
+        p.n_blocks = static_cast<uint32_t>(blocks.size());
         p.n_planes = static_cast<uint32_t>(planes.size());
         p.n_copies = static_cast<uint32_t>(copies.size());
         p.n_zeros = static_cast<uint32_t>(zeros.size());
@@ -281,11 +322,12 @@ struct DeviceSink : DecodeSink {
         p.arena_size = arena.buf.size();
         p.dst = dst;
         p.dst_capacity = dst_capacity;
-        std::vector<uint32_t> status(streams.size(), 0);
+        std::vector<uint32_t> status(slices.size(), 0);
         char msg[MSG] = "";
         check_backend(b.decode(&p, stream, status.data(), msg, sizeof(msg)), msg);
+        last_timing = {p.seconds[0], p.seconds[1]};
         for (size_t j = 0; j < status.size(); j++) {
-            const uint32_t tensor = streams[j].tensor;
+            const uint32_t tensor = slices[j].tensor;
             switch (status[j]) {
                 case cuda::STREAM_OK: break;
                 case cuda::STREAM_OVERRUN: fail(LCG_ERR_CORRUPT, "rANS stream runs past its bytes (corrupt stream)");
@@ -295,9 +337,9 @@ struct DeviceSink : DecodeSink {
                     fail(LCG_ERR_CORRUPT, "a lane of tensor %u does not end in the initial state (corrupt stream)",
                          tensor);
                 case cuda::STREAM_ESCAPES:
-                    fail(LCG_ERR_CORRUPT, "tensor %u declares %llu escapes, its symbols another number", tensor,
-                         (unsigned long long) streams[j].n_escapes);
-                default: fail(LCG_ERR_INTERNAL, "stream %zu: status %u", j, status[j]);
+                    fail(LCG_ERR_CORRUPT, "rANS slice of tensor %u declares %llu escapes, its symbols another number",
+                         tensor, (unsigned long long) slices[j].n_escapes);
+                default: fail(LCG_ERR_INTERNAL, "slice %zu: status %u", j, status[j]);
             }
         }
     }
@@ -376,6 +418,8 @@ void decode_chunk_device(const uint8_t * chunk, size_t chunk_size, const Stats &
     decode_chunk_to(chunk, chunk_size, stats, 1, state, state_size, sink);
     sink.run(b, chunk_size, copy.base, stream);
 }
+
+DeviceTiming device_last_timing() { return last_timing; }
 
 void * device_alloc(size_t size) {
     const cuda::Backend & b = require_device();

@@ -51,6 +51,12 @@ size_t decode_whole_device(const uint8_t * data, size_t size, uint8_t * device_d
 void decode_chunk_device(const uint8_t * chunk, size_t chunk_size, const Stats & stats, DeviceStats & cache,
                          const uint8_t * state, size_t state_size, uint8_t * device_state, void * stream);
 
+// The device time of this thread's last device decode: upload of object and plan, kernels.
+struct DeviceTiming {
+    double upload_s = 0.0, kernels_s = 0.0;
+};
+DeviceTiming device_last_timing();
+
 void * device_alloc(size_t size);
 void device_free(void * ptr);
 // Any direction between host and device memory; waits for it.

@@ -133,6 +133,38 @@ void read_table(ByteReader & r, Table & t) {
     }
 }
 
+std::vector<Slice> read_slices(const uint8_t * data, size_t size, size_t n, bool with_counts) {
+    ByteReader r(data, size, LCG_ERR_CORRUPT, "rANS stream");
+    const uint32_t slice_elements = r.u32();
+    LCG_CHECK(slice_elements > 0 && slice_elements % LANES == 0, LCG_ERR_CORRUPT,
+              "rANS stream slices of %u symbols (expected a positive multiple of %u)", slice_elements, LANES);
+    const size_t n_slices = (n + slice_elements - 1) / slice_elements;
+    const size_t entry = with_counts ? 8 : 4;
+    // Every slice holds at least its lane states: bound the directory before allocating it.
+    LCG_CHECK(n_slices <= r.remaining() / (entry + MIN_SLICE_BYTES), LCG_ERR_CORRUPT,
+              "rANS stream of %zu slices in %zu bytes", n_slices, r.remaining());
+    std::vector<Slice> slices(n_slices);
+    size_t total = 0;
+    for (size_t s = 0; s < n_slices; s++) {
+        Slice & sl = slices[s];
+        sl.bytes = r.u32();
+        sl.count = with_counts ? r.u32() : 0;
+        sl.k0 = s * slice_elements;
+        sl.k1 = std::min(n, sl.k0 + slice_elements);
+        LCG_CHECK(sl.bytes >= MIN_SLICE_BYTES && sl.bytes % 2 == 0 && sl.count <= sl.k1 - sl.k0, LCG_ERR_CORRUPT,
+                  "rANS slice %zu: %zu bytes, count %u", s, sl.bytes, sl.count);
+        total += sl.bytes;
+    }
+    LCG_CHECK(total == r.remaining(), LCG_ERR_CORRUPT, "rANS slices of %zu bytes in a stream with %zu left", total,
+              r.remaining());
+    const uint8_t * p = r.take(total);
+    for (Slice & sl : slices) {
+        sl.data = p;
+        p += sl.bytes;
+    }
+    return slices;
+}
+
 Cursor open_stream(const uint8_t * data, size_t size) {
     LCG_CHECK(size >= STATE_BYTES && size % 2 == 0, LCG_ERR_CORRUPT, "rANS stream of %zu bytes", size);
     Cursor c;

@@ -7,8 +7,9 @@
 //    each lane that drops below STATE_LOW reads the next word. A CPU decodes 8 lanes per AVX2
 //    vector (renormalisation = compare mask + popcount + permute), a GPU warp one lane per thread
 //    (ballot + popc give each thread its word), from the same bytes.
-//  - Stream bytes: 32 x u32 initial states (lane order), then the words. A valid stream ends with
-//    every word read and every lane back at STATE_LOW.
+//  - Slice bytes: 32 x u32 initial states (lane order), then the words. A valid slice ends with
+//    every word read and every lane back at STATE_LOW. A stream is a directory and its slices
+//    (below), each decodable on its own.
 //  - rANS is LIFO: the encoder walks the symbols backwards and writes words from the back.
 //  - State x in [L, L << 16), L = 2^15: at most one word per symbol; the encoder's reciprocal
 //    division is exact (x < 2^31).
@@ -20,6 +21,9 @@
 #pragma once
 
 #include "common.h"
+
+#include <algorithm>
+#include <vector>
 
 namespace lcg::rans {
 
@@ -61,38 +65,77 @@ void build_enc_table(const Table & t, EncTable & e);
 // 4096 decode slots.
 void build_decode_slots(const Table & t, uint32_t * slots);
 
-// Codes the symbols of an n_outer x n_inner matrix in memory order (symbol k = outer * n_inner +
-// inner) with table_of(outer, inner) -> const EncTable &, and appends the stream to w. A symbol
-// must have nonzero frequency in its table.
+// Slices (format v3): a stream of n symbols is cut into slices of `slice_elements` symbols (a
+// multiple of 32; the last slice may be shorter), each an independent 32-lane stream: 32 x u32
+// initial states then its words. A directory before the slices gives each one's byte size and,
+// where the caller keeps one, a count of its own (lossy: the slice's escape symbols), so that a
+// decoder can start every slice at once (CPU threads, one GPU warp per slice).
+constexpr uint32_t DEFAULT_SLICE = 65536;
+constexpr size_t MIN_SLICE_BYTES = STATE_BYTES;
+
+// Codes symbols [k0, k1) of an n_outer x n_inner matrix in memory order (symbol k = outer *
+// n_inner + inner; k0 a multiple of 32) with table_of(outer, inner) -> const EncTable &, as one
+// slice appended to w. A symbol must have nonzero frequency in its table.
 template <typename TableOf>
-void encode_stream(const uint8_t * sym, size_t n_outer, size_t n_inner, TableOf && table_of, ByteWriter & w) {
-    const size_t n = n_outer * n_inner;
-    std::vector<uint16_t> words(n + 1);
+void encode_slice(const uint8_t * sym, size_t k0, size_t k1, size_t n_inner, TableOf && table_of, ByteWriter & w) {
+    std::vector<uint16_t> words(k1 - k0 + 1);
     uint16_t * const end = words.data() + words.size();
     uint16_t * ptr = end;
     uint32_t x[LANES];
     for (uint32_t j = 0; j < LANES; j++) {
         x[j] = STATE_LOW;
     }
-    size_t k = n;
-    for (size_t o = n_outer; o-- > 0;) {
-        for (size_t i = n_inner; i-- > 0;) {
-            k--;
-            const EncSymbol & e = table_of(o, i).sym[sym[k]];
-            uint32_t & xj = x[k % LANES];
-            if (xj >= e.x_max) {
-                *--ptr = static_cast<uint16_t>(xj);
-                xj >>= 16;
-            }
-            const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(xj) * e.rcp_freq) >> 32) >> e.rcp_shift;
-            xj = xj + e.bias + q * e.cmpl_freq;
+    size_t o = k1 / n_inner, i = k1 % n_inner;
+    for (size_t k = k1; k-- > k0;) {
+        if (i-- == 0) {
+            i = n_inner - 1;
+            o--;
         }
+        const EncSymbol & e = table_of(o, i).sym[sym[k]];
+        uint32_t & xj = x[k % LANES];
+        if (xj >= e.x_max) {
+            *--ptr = static_cast<uint16_t>(xj);
+            xj >>= 16;
+        }
+        const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(xj) * e.rcp_freq) >> 32) >> e.rcp_shift;
+        xj = xj + e.bias + q * e.cmpl_freq;
     }
     for (uint32_t j = 0; j < LANES; j++) {
         w.u32(x[j]);
     }
     w.put(ptr, 2 * static_cast<size_t>(end - ptr));
 }
+
+// Codes the whole matrix as a sliced stream (u32 slice_elements, directory, slices) appended to
+// w. count_of(k0, k1) -> uint32_t, when given, is stored per slice in the directory.
+template <typename TableOf, typename CountOf>
+void encode_stream(const uint8_t * sym, size_t n_outer, size_t n_inner, uint32_t slice_elements,
+                   TableOf && table_of, const CountOf * count_of, ByteWriter & w) {
+    const size_t n = n_outer * n_inner;
+    w.u32(slice_elements);
+    std::vector<ByteWriter> slices((n + slice_elements - 1) / slice_elements);
+    for (size_t s = 0; s < slices.size(); s++) {
+        const size_t k0 = s * slice_elements, k1 = std::min(n, k0 + slice_elements);
+        encode_slice(sym, k0, k1, n_inner, table_of, slices[s]);
+        w.u32(static_cast<uint32_t>(slices[s].buf.size()));
+        if (count_of) {
+            w.u32((*count_of)(k0, k1));
+        }
+    }
+    for (const ByteWriter & s : slices) {
+        w.put(s.buf.data(), s.buf.size());
+    }
+}
+
+// One slice of a stream, as the directory gives it (bounds checked against the stream).
+struct Slice {
+    const uint8_t * data;
+    size_t bytes;
+    size_t k0, k1;   // the symbols it codes
+    uint32_t count;  // the directory's count (0 without counts)
+};
+// Parses a sliced stream of n symbols of `size` bytes; throws LCG_ERR_CORRUPT on a malformed one.
+std::vector<Slice> read_slices(const uint8_t * data, size_t size, size_t n, bool with_counts);
 
 // A stream being decoded: lane states and the word cursor, bounds-checked.
 struct Cursor {
@@ -127,20 +170,17 @@ inline uint8_t decode_symbol(Cursor & c, uint32_t j, const uint32_t * slots) {
     return static_cast<uint8_t>(lanes::entry_symbol(e));
 }
 
-// Scalar decode of the symbols from k0 (a multiple of 32: lanes continue from c) to the end of
-// an n_outer x n_inner matrix in memory order: calls emit(outer, inner, symbol) in order, with
-// slots_of(outer, inner) -> const uint32_t * the decode slots of that symbol.
+// Scalar decode of symbols [k0, k1) of a matrix of n_inner columns in memory order (lane k % 32
+// continues from c): calls emit(outer, inner, symbol) in order, with slots_of(outer, inner) ->
+// const uint32_t * the decode slots of that symbol.
 template <typename SlotsOf, typename Emit>
-void decode_stream(Cursor & c, size_t k0, size_t n_outer, size_t n_inner, SlotsOf && slots_of, Emit && emit) {
-    if (n_inner == 0) {
-        return;
-    }
-    uint32_t j = 0;
-    size_t i = k0 % n_inner;
-    for (size_t o = k0 / n_inner; o < n_outer; o++, i = 0) {
-        for (; i < n_inner; i++) {
-            emit(o, i, decode_symbol(c, j, slots_of(o, i)));
-            j = (j + 1) % LANES;
+void decode_stream(Cursor & c, size_t k0, size_t k1, size_t n_inner, SlotsOf && slots_of, Emit && emit) {
+    size_t o = k0 / (n_inner ? n_inner : 1), i = k0 - o * n_inner;
+    for (size_t k = k0; k < k1; k++) {
+        emit(o, i, decode_symbol(c, k % LANES, slots_of(o, i)));
+        if (++i == n_inner) {
+            i = 0;
+            o++;
         }
     }
 }

@@ -281,9 +281,9 @@ inline void store_value(const LossyDst & d, RowUnit ru, float q) {
     store_float(element_ptr(d, ru), d.obj->ggml_type, dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], q));
 }
 
-// The scalar reference, from element k0 (a multiple of 32) to the end, one outer line at a time.
+// The scalar reference for elements [k0, k1) (lane k % 32 continues from c), one outer line at a time.
 template <int32_t TYPE, bool TRANSPOSED>
-void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, size_t k0, std::vector<uint64_t> & esc) {
+void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, size_t k0, size_t k1, std::vector<uint64_t> & esc) {
     const TensorDesc & t = *d.obj;
     const size_t n_o = n_outer(t), n_i = n_inner(t);
     std::vector<const uint32_t *> slots(t.n_units);
@@ -293,16 +293,15 @@ void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, size_t k0, std::ve
         step[u] = d.step[u / d.group];
         shrink[u] = d.shrink[u / d.group];
     }
-    uint32_t j = 0;
-    size_t i = k0 % n_i;
-    for (size_t o = k0 / n_i; o < n_o; o++, i = 0) {
+    size_t k = k0, i = k0 % n_i;
+    for (size_t o = k0 / n_i; o < n_o && k < k1; o++, i = 0) {
         uint8_t * line = TRANSPOSED ? d.base + o * d.dst.unit : d.base + d.row_cell[o] * d.dst.cell;
-        for (; i < n_i; i++) {
+        const size_t i_end = std::min(n_i, i + (k1 - k));
+        for (; i < i_end; i++, k++) {
             const size_t u = TRANSPOSED ? o : i;
-            const uint8_t s = rans::decode_symbol(c, j, slots[u]);
-            j = (j + 1) % rans::LANES;
+            const uint8_t s = rans::decode_symbol(c, k % rans::LANES, slots[u]);
             if (s == SYM_ESCAPE) {
-                esc.push_back(o * n_i + i);
+                esc.push_back(k);
             }
             uint8_t * p = TRANSPOSED ? line + d.row_cell[i] * d.dst.cell : line + i * d.dst.unit;
             store_float(p, TYPE, dequant(d.mean[u], step[u], shrink[u], lanes::symbol_q(s)));
@@ -310,12 +309,12 @@ void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, size_t k0, std::ve
     }
 }
 
-void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, size_t k0, std::vector<uint64_t> & esc) {
+void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, size_t k0, size_t k1, std::vector<uint64_t> & esc) {
     const bool tr = d.obj->transposed;
     switch (d.obj->ggml_type) {
-        case GGML_F16: return tr ? decode_lossy_lines<GGML_F16, true>(c, d, k0, esc) : decode_lossy_lines<GGML_F16, false>(c, d, k0, esc);
-        case GGML_BF16: return tr ? decode_lossy_lines<GGML_BF16, true>(c, d, k0, esc) : decode_lossy_lines<GGML_BF16, false>(c, d, k0, esc);
-        default: return tr ? decode_lossy_lines<GGML_F32, true>(c, d, k0, esc) : decode_lossy_lines<GGML_F32, false>(c, d, k0, esc);
+        case GGML_F16: return tr ? decode_lossy_lines<GGML_F16, true>(c, d, k0, k1, esc) : decode_lossy_lines<GGML_F16, false>(c, d, k0, k1, esc);
+        case GGML_BF16: return tr ? decode_lossy_lines<GGML_BF16, true>(c, d, k0, k1, esc) : decode_lossy_lines<GGML_BF16, false>(c, d, k0, k1, esc);
+        default: return tr ? decode_lossy_lines<GGML_F32, true>(c, d, k0, k1, esc) : decode_lossy_lines<GGML_F32, false>(c, d, k0, k1, esc);
     }
 }
 
@@ -336,13 +335,14 @@ const PermTable perm_table;
 // read the same table, so the output is the same.
 const bool use_gather = std::getenv("LCG_SCALAR_LOADS") == nullptr;
 
-// f16 destination rows at consecutive cells from row_cell[0]; 8 consecutive elements of the
-// object share a row (units % 8 == 0) or a unit (transposed, cells % 8 == 0). Returns the element
-// reached: a multiple of 32, where the scalar decoder takes over (the last, partial step, or the
-// last 32 words, which are read with bounds checks).
+// Elements [k0, k1) of a slice (k0 a multiple of 32) into f16 destination rows at consecutive
+// cells from row_cell[0]; 8 consecutive elements of the object share a row (units % 8 == 0) or a
+// unit (transposed, cells % 8 == 0). Returns the element reached: a multiple of 32, where the
+// scalar decoder takes over (the last, partial step, or the last 32 words, which are read with
+// bounds checks).
 template <bool GATHER>
-__attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor & c, const LossyDst & d, size_t n,
-                                                                   std::vector<uint64_t> & esc) {
+__attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor & c, const LossyDst & d, size_t k0,
+                                                                   size_t k1, std::vector<uint64_t> & esc) {
     const TensorDesc & t = *d.obj;
     const uint32_t c0 = d.row_cell[0];
     __m256i x[4];
@@ -353,9 +353,11 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
     const __m256i one = _mm256_set1_epi32(1), low = _mm256_set1_epi32(rans::STATE_LOW);
     const __m256i sym_zero = _mm256_set1_epi32(SYM_ZERO), zero = _mm256_setzero_si256();
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    uint32_t row = 0, unit = 0;  // of the next vector's first element
-    size_t k = 0;
-    const size_t n_full = n / rans::LANES * rans::LANES;
+    // row and unit of the next vector's first element
+    uint32_t row = static_cast<uint32_t>(t.transposed ? k0 % t.n_cells : k0 / t.n_units);
+    uint32_t unit = static_cast<uint32_t>(t.transposed ? k0 / t.n_cells : k0 % t.n_units);
+    size_t k = k0;
+    const size_t n_full = k0 + (k1 - k0) / rans::LANES * rans::LANES;
     while (k < n_full && c.end - c.ptr >= 2 * static_cast<ptrdiff_t>(rans::LANES)) {
         for (int v = 0; v < 4; v++) {
             const uint32_t gi = unit / d.group;
@@ -423,24 +425,34 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
                   const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
     const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
     const uint32_t stream_bytes = r.u32();
-    const uint8_t * stream = r.take(stream_bytes);
+    const std::vector<rans::Slice> slices = rans::read_slices(r.take(stream_bytes), stream_bytes, n, true);
     const LossyDst d{&obj, dec.slots.data(), dec.mean.data(), dec.step.data(), dec.shrink.data(), dec.stats.group,
                      base, Strides(dst), row_cell.data()};
-    rans::Cursor c = rans::open_stream(stream, stream_bytes);
-    std::vector<uint64_t> esc;
-    size_t k = 0;
+    bool vector_ok = false;
 #if defined(__x86_64__)
     bool contiguous = true;
     for (size_t i = 1; i < row_cell.size() && contiguous; i++) {
         contiguous = row_cell[i] == row_cell[0] + i;
     }
-    if (cpu_has_avx2 && contiguous && obj.ggml_type == GGML_F16 &&
-        (obj.transposed ? obj.n_cells % 8 == 0 : obj.n_units % 8 == 0)) {
-        k = use_gather ? decode_lossy_f16_avx2<true>(c, d, n, esc) : decode_lossy_f16_avx2<false>(c, d, n, esc);
-    }
+    vector_ok = cpu_has_avx2 && contiguous && obj.ggml_type == GGML_F16 &&
+                (obj.transposed ? obj.n_cells % 8 == 0 : obj.n_units % 8 == 0);
 #endif
-    decode_lossy_scalar(c, d, k, esc);
-    rans::close_stream(c);
+    std::vector<uint64_t> esc;
+    for (const rans::Slice & sl : slices) {
+        rans::Cursor c = rans::open_stream(sl.data, sl.bytes);
+        const size_t before = esc.size();
+        size_t k = sl.k0;
+#if defined(__x86_64__)
+        if (vector_ok) {
+            k = use_gather ? decode_lossy_f16_avx2<true>(c, d, k, sl.k1, esc)
+                           : decode_lossy_f16_avx2<false>(c, d, k, sl.k1, esc);
+        }
+#endif
+        decode_lossy_scalar(c, d, k, sl.k1, esc);
+        rans::close_stream(c);
+        LCG_CHECK(esc.size() - before == sl.count, LCG_ERR_CORRUPT, "rANS slice declares %u escapes, its symbols %zu",
+                  sl.count, esc.size() - before);
+    }
     const uint64_t n_escapes = r.varint();
     LCG_CHECK(n_escapes == esc.size(), LCG_ERR_CORRUPT, "tensor declares %llu escapes, its symbols %zu",
               (unsigned long long) n_escapes, esc.size());
@@ -469,12 +481,14 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
             continue;
         }
         const uint32_t stream_bytes = r.u32();
-        rans::Cursor c = rans::open_stream(r.take(stream_bytes), stream_bytes);
-        rans::decode_stream(
-            c, 0, n_outer(obj), n_inner(obj),
-            [&](size_t o, size_t i) { return slots + (row_unit(obj, o, i).unit / s.group) * rans::PROB_SCALE; },
-            [&](size_t o, size_t i, uint8_t v) { at(row_unit(obj, o, i))[b] = v; });
-        rans::close_stream(c);
+        for (const rans::Slice & sl : rans::read_slices(r.take(stream_bytes), stream_bytes, n, false)) {
+            rans::Cursor c = rans::open_stream(sl.data, sl.bytes);
+            rans::decode_stream(
+                c, sl.k0, sl.k1, n_inner(obj),
+                [&](size_t o, size_t i) { return slots + (row_unit(obj, o, i).unit / s.group) * rans::PROB_SCALE; },
+                [&](size_t o, size_t i, uint8_t v) { at(row_unit(obj, o, i))[b] = v; });
+            rans::close_stream(c);
+        }
         slots += static_cast<size_t>(s.n_groups) * rans::PROB_SCALE;
     }
 }
@@ -568,7 +582,8 @@ void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnob
 }
 
 void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncoder & e,
-                 const std::vector<uint32_t> & cells, const std::vector<uint8_t> & is_sink, ByteWriter & w) {
+                 const std::vector<uint32_t> & cells, const std::vector<uint8_t> & is_sink, uint32_t slice_elements,
+                 ByteWriter & w) {
     const TensorStats & s = e.stats;
     const uint8_t * base = state + t.offset;
     const Strides st(t);
@@ -609,17 +624,24 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     };
     // Unit u codes with table group u / group: per unit, its table.
     std::vector<const rans::EncTable *> unit_table(t.n_units);
+    // Lossy slices count their escape symbols in the stream's directory.
+    auto escapes_in = [&](size_t k0, size_t k1) {
+        return static_cast<uint32_t>(std::count(sym.begin() + k0, sym.begin() + k1, SYM_ESCAPE));
+    };
     auto coded = [&](const rans::EncTable * tables) {
         for (uint32_t u = 0; u < t.n_units; u++) {
             unit_table[u] = &tables[u / s.group];
         }
         ByteWriter stream;
+        const auto * counts = s.lossy ? &escapes_in : nullptr;
         if (t.transposed) {
-            rans::encode_stream(sym.data(), n_outer(obj), n_inner(obj),
-                                [&](size_t o, size_t) -> const rans::EncTable & { return *unit_table[o]; }, stream);
+            rans::encode_stream(
+                sym.data(), n_outer(obj), n_inner(obj), slice_elements,
+                [&](size_t o, size_t) -> const rans::EncTable & { return *unit_table[o]; }, counts, stream);
         } else {
-            rans::encode_stream(sym.data(), n_outer(obj), n_inner(obj),
-                                [&](size_t, size_t i) -> const rans::EncTable & { return *unit_table[i]; }, stream);
+            rans::encode_stream(
+                sym.data(), n_outer(obj), n_inner(obj), slice_elements,
+                [&](size_t, size_t i) -> const rans::EncTable & { return *unit_table[i]; }, counts, stream);
         }
         w.u32(static_cast<uint32_t>(stream.buf.size()));
         w.put(stream.buf.data(), stream.buf.size());

@@ -42,9 +42,11 @@ struct TensorEncoder {
 void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnobs * knobs,
                     const std::vector<uint8_t> & is_sink, TensorEncoder & e);
 
-// Codes the rows `cells` (state cell indices, in object row order) of tensor t.
+// Codes the rows `cells` (state cell indices, in object row order) of tensor t, its streams cut
+// into slices of slice_elements symbols (a positive multiple of 32).
 void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncoder & e,
-                 const std::vector<uint32_t> & cells, const std::vector<uint8_t> & is_sink, ByteWriter & w);
+                 const std::vector<uint32_t> & cells, const std::vector<uint8_t> & is_sink, uint32_t slice_elements,
+                 ByteWriter & w);
 
 // Statistics in decode-ready form: tables expanded to decode slots (16 KiB each), values as floats.
 // Built once per statistics object, shared by every chunk that names it.

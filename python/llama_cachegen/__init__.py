@@ -30,7 +30,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AuthenticationError",

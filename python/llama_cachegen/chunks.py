@@ -1,13 +1,16 @@
-"""Chunked, content-addressed context storage (container format v2).
+"""Chunked, content-addressed context storage (container format v3).
 
 A saved context is a manifest plus shared objects in one store (docs/format.md, "Manifest and store
 layout"):
 
     <manifest key>                   the manifest: tokens, fingerprint, chunk keys, levels, sizes
-    lcg2/chunks/<H_i>/<level>        K/V of positions [i*C, min((i+1)*C, n)) at one level
-    lcg2/stats/<sha256>              statistics of one level of one save (quantizer, tables)
-    lcg2/skeletons/<sha256>          a state without its K/V: what llama.cpp needs besides the rows
-    lcg2/wholes/<sha256>             a whole container, for states that cannot be chunked
+    lcg3/chunks/<H_i>/<level>        K/V of positions [i*C, min((i+1)*C, n)) at one level
+    lcg3/stats/<sha256>              statistics of one level of one save (quantizer, tables)
+    lcg3/skeletons/<sha256>          a state without its K/V: what llama.cpp needs besides the rows
+    lcg3/wholes/<sha256>             a whole container, for states that cannot be chunked
+
+(`lcg<format version>/`: objects of another container format version live apart and are never
+taken for this one's.)
 
 Chunk keys chain: H_0 = sha256(domain + canonical JSON of the fingerprint and C), H_i =
 sha256(H_{i-1} + tokens of chunk i as int32). Two contexts sharing their first k chunks of tokens
@@ -56,7 +59,8 @@ from .llama import (
     restore_context,
 )
 
-KEY_DOMAIN = b"llama-cachegen chunks v2\x00"
+FORMAT_VERSION = codec.version()[1]
+KEY_DOMAIN = f"llama-cachegen chunks v{FORMAT_VERSION}\x00".encode()
 MANIFEST_MAGIC = b"LCGM"
 MANIFEST_VERSION = 1
 CHUNK_META_MAGIC = b"LCGK"
@@ -65,7 +69,7 @@ MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS = 16, 4096, 256
 DEFAULT_LEVELS = ("high", "balanced", "compact")
 # best first: a loader takes the first level a chunk has
 PREFERENCE = ("lossless", "high", "balanced", "compact")
-PREFIX = "lcg2/"
+PREFIX = f"lcg{FORMAT_VERSION}/"
 
 _MAX_MANIFEST_HEADER = 64 << 20  # ~100 bytes of JSON per chunk: 2^28 tokens at C = 4096 fit
 _MAX_CHUNK_HEADER = 1 << 16
@@ -254,7 +258,7 @@ class Manifest:
     logits); the header says where the K/V is. Chunked (`chunk_tokens` set): the skeleton's id, per
     level the statistics id this save wrote (None when the store had every chunk of that level),
     and per chunk its key and the sizes of its levels. Whole (`chunk_tokens` None): per level the
-    id and size of a whole container under `lcg2/wholes/<id>`.
+    id and size of a whole container under `lcg3/wholes/<id>`.
     """
 
     meta: StateMeta

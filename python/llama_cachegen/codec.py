@@ -68,6 +68,7 @@ def _params(
     first_layer_scale: float | None = None,
     sink_tokens: int | None = None,
     error_scale: float | None = None,
+    slice_elements: int | None = None,
 ) -> Any:
     params = ffi.new("lcg_encode_params *", lib.lcg_encode_default_params())
     params.level = _level(level)
@@ -83,6 +84,10 @@ def _params(
         params.n_sink_tokens = sink_tokens
     if error_scale is not None:
         params.error_scale = error_scale
+    if slice_elements is not None:
+        if not 0 < slice_elements < 2**32:
+            raise InvalidArgumentError(f"slice_elements {slice_elements}: expected a positive multiple of 32")
+        params.slice_elements = slice_elements
     return params
 
 
@@ -105,6 +110,7 @@ def encode(
     first_layer_scale: float | None = None,
     sink_tokens: int | None = None,
     error_scale: float | None = None,
+    slice_elements: int | None = None,
     user_meta: Buffer = b"",
 ) -> bytes:
     """Compresses a llama.cpp state (any supported kind) into a llama-cachegen container.
@@ -112,9 +118,13 @@ def encode(
     A lossy level sets each tensor's step so that its squared error is `error_scale` times the
     error of llama.cpp's reference cache type for the level (q8_0, q5_1, q4_0) on that tensor.
     `k_step`, `v_step` (fixed steps in channel standard deviations), `first_layer_scale` and `sink_tokens`
-    override the level's preset; `user_meta` is stored verbatim (checksummed) in the container.
+    override the level's preset; `slice_elements` (a multiple of 32, default 65536) is how many
+    symbols each independently decodable slice of a stream codes; `user_meta` is stored verbatim
+    (checksummed) in the container.
     """
-    params = _params(level, threads, kind, k_step, v_step, first_layer_scale, sink_tokens, error_scale)
+    params = _params(
+        level, threads, kind, k_step, v_step, first_layer_scale, sink_tokens, error_scale, slice_elements
+    )
     meta = _view(user_meta)
     params.user_meta = meta
     params.user_meta_size = len(meta)
@@ -185,6 +195,14 @@ def cuda_available() -> bool:
     """Whether a CUDA device can decode: the library was built with its CUDA backend, and a driver
     and a device are present. False is not an error: the CPU path always works."""
     return int(lib.lcg_cuda_available()) > 0
+
+
+def device_timing() -> tuple[float, float]:
+    """Seconds the last device decode of this thread spent uploading its object and plan, and in
+    its kernels (CUDA events; for benchmarks)."""
+    upload, kernels = ffi.new("double *"), ffi.new("double *")
+    lib.lcg_device_last_timing(upload, kernels)
+    return float(upload[0]), float(kernels[0])
 
 
 def _device_name(device: str) -> None:

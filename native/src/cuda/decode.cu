@@ -1,16 +1,17 @@
-// decode.cu -- libllama_cachegen_cuda.so: the kernels that decode an object's streams into a
+// decode.cu -- libllama_cachegen_cuda.so: the kernels that decode an object's slices into a
 // llama.cpp state in device memory, and the runtime calls around them (docs/cuda.md).
 //
 // Read me first:
-//  - One warp per 32-lane stream, thread j = lane j (docs/format.md, "Streams"). Per step each
-//    thread decodes its element with the shared lane step (lanes.h), then
-//    ballot(state < 2^15) and popc(ballot & lanemask_lt) give each thread the offset of its word;
-//    the warp advances by popc(ballot). Every bound check is warp-uniform, so a bad stream stops
-//    the whole warp, reports itself and never reads or writes out of bounds.
+//  - One warp per 32-lane slice of a stream, thread j = lane j (docs/format.md, "Streams"); a
+//    block holds up to BLOCK_WARPS slices of one stream. Per step each thread decodes its element
+//    with the shared lane step (lanes.h), then ballot(state < 2^15) and popc(ballot &
+//    lanemask_lt) give each thread the offset of its word; the warp advances by popc(ballot).
+//    Every bound check is warp-uniform, so a bad slice stops its warp, reports itself and never
+//    reads or writes out of bounds.
 //  - The per-lane work between the votes is kernels.h, which emulator.cpp runs on the CPU for
 //    the tests; only the loop skeletons and the runtime calls here are GPU-only.
-//  - A stream's tables are staged in shared memory when they fit (compact tables, plan.h), else
-//    read from global memory through the read-only cache.
+//  - The tables a block's slices use are staged in shared memory when they fit (compact tables,
+//    plan.h), else read from global memory through the read-only cache.
 //  - Escapes: the decode kernel records each escape symbol's element index (ballot + popc keep
 //    element order), a second kernel writes the escaped values; exact rows and verbatim bytes are
 //    copied last, so they overwrite what they must.
@@ -31,27 +32,37 @@ constexpr unsigned FULL_MASK = 0xffffffffu;
 // Shared memory for tables per block: at most this much, so that two blocks share an SM.
 constexpr size_t MAX_TABLE_SMEM = 100 * 1024;
 
-// One block = one warp = one stream (emulator.cpp: the same steps on the CPU).
-__global__ void __launch_bounds__(32) decode_streams(Args a) {
+// One block = up to BLOCK_WARPS slices of one stream, a warp each, sharing the staged tables
+// (emulator.cpp: the same steps on the CPU). Words: each lane holds word base + lane and
+// base + 32 + lane of the slice; the warp's cursor stays within 32 of base, so every word a step
+// needs (at most 32) is in those 64 and reaches its lane by shuffle, while the load of the next 32
+// is in flight for several steps.
+__global__ void __launch_bounds__(32 * BLOCK_WARPS) decode_slices(Args a) {
     extern __shared__ uint32_t smem[];
-    const uint32_t lane = threadIdx.x;
-    const StreamJob & sj = a.streams[blockIdx.x];
-    const Table * tables = reinterpret_cast<const Table *>(a.stats + sj.tables);
-    if (sj.n_tables <= a.smem_tables) {
-        const uint32_t words = sj.n_tables * (sizeof(Table) / 4);
+    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const BlockJob bj = a.blocks[blockIdx.x];
+    const Table * tables = reinterpret_cast<const Table *>(a.stats + bj.tables);
+    if (bj.n_tables <= a.smem_tables) {
+        const uint32_t words = bj.n_tables * (sizeof(Table) / 4);
         const uint32_t * src = reinterpret_cast<const uint32_t *>(tables);  // 4-aligned (host)
-        for (uint32_t w = lane; w < words; w += 32) {
+        for (uint32_t w = threadIdx.x; w < words; w += blockDim.x) {
             smem[w] = __ldg(src + w);
         }
-        __syncwarp();
+        __syncthreads();
         tables = reinterpret_cast<const Table *>(smem);
     }
-    const Walk w = walk_open(a, blockIdx.x, tables);
+    if (warp >= bj.n_slices) {
+        return;
+    }
+    const uint32_t slice = bj.first + warp;
+    const Walk w = walk_open(a, slice, tables, bj.group0);
+    auto load = [&](uint64_t at) { return at < w.n_words ? word_at(w, at) : 0u; };
     Lane l;
     lane_open(a, w, lane, l);
-    uint64_t pos = 0, n_found = 0;
+    uint64_t pos = 0, base = 0, n_found = 0;
+    uint32_t buf0 = load(lane), buf1 = load(32 + lane);
     uint32_t status = STREAM_OK;
-    for (uint64_t k0 = 0; k0 < w.n; k0 += lanes::LANES) {
+    for (uint64_t k0 = w.sj.k0; k0 < w.sj.k1; k0 += lanes::LANES) {
         lane_decode(w, l);
         const uint32_t mask = __ballot_sync(FULL_MASK, l.need);
         const uint32_t count = __popc(mask);
@@ -59,8 +70,15 @@ __global__ void __launch_bounds__(32) decode_streams(Args a) {
             status = STREAM_OVERRUN;
             break;
         }
-        lane_refill(w, pos, mask, lane, l);
+        const uint32_t at = uint32_t(lane_word_index(pos, mask, lane) - base);  // < 64
+        const uint32_t w0 = __shfl_sync(FULL_MASK, buf0, at % 32), w1 = __shfl_sync(FULL_MASK, buf1, at % 32);
+        lane_refill(l, at < 32 ? w0 : w1);
         pos += count;
+        if (pos - base >= 32) {  // warp-uniform
+            base += 32;
+            buf0 = buf1;
+            buf1 = load(base + 32 + lane);
+        }
         lane_store(a, w, l);
         if (w.t.lossy) {
             const uint32_t emask = __ballot_sync(FULL_MASK, lane_escapes(w, l));
@@ -73,13 +91,13 @@ __global__ void __launch_bounds__(32) decode_streams(Args a) {
         status = walk_end(w, pos, __all_sync(FULL_MASK, l.x == lanes::STATE_LOW), n_found);
     }
     if (lane == 0) {
-        a.status[blockIdx.x] = status;
+        a.status[slice] = status;
     }
 }
 
-// Escaped values of each stream (one block per stream), once its decode succeeded.
+// Escaped values of each slice (one block per slice), once its decode succeeded.
 __global__ void patch_escapes(Args a) {
-    const StreamJob sj = a.streams[blockIdx.x];
+    const SliceJob sj = a.slices[blockIdx.x];
     if (a.status[blockIdx.x] != STREAM_OK) {
         return;
     }
@@ -165,29 +183,39 @@ int copy(void * dst, const void * src, size_t size, void * stream, char * msg, s
     return LCG_OK;
 }
 
-// Device scratch of one decode, freed in stream order whatever happens.
+// Device scratch and events of one decode, released in stream order whatever happens.
 struct Scratch {
     cudaStream_t stream;
     void * ptr[4] = {nullptr, nullptr, nullptr, nullptr};
+    cudaEvent_t event[3] = {nullptr, nullptr, nullptr};
     ~Scratch() {
         for (void * p : ptr) {
             if (p) {
                 cudaFreeAsync(p, stream);
             }
         }
+        for (cudaEvent_t e : event) {
+            if (e) {
+                cudaEventDestroy(e);
+            }
+        }
     }
 };
 
-int decode(const Plan * plan, void * stream_ptr, uint32_t * status, char * msg, size_t msg_size) {
+int decode(Plan * plan, void * stream_ptr, uint32_t * status, char * msg, size_t msg_size) {
     const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-    const Plan & p = *plan;
+    Plan & p = *plan;
     Scratch s{stream};
+    for (cudaEvent_t & e : s.event) {
+        LCG_CUDA_TRY(cudaEventCreate(&e), "cudaEventCreate");
+    }
+    LCG_CUDA_TRY(cudaEventRecord(s.event[0], stream), "cudaEventRecord");
     uint8_t *container, *arena;
     uint32_t * d_status;
     uint64_t * escape_at;
     LCG_CUDA_TRY(cudaMallocAsync(&s.ptr[0], std::max<uint64_t>(p.container_size, 1), stream), "cudaMallocAsync");
     LCG_CUDA_TRY(cudaMallocAsync(&s.ptr[1], std::max<uint64_t>(p.arena_size, 1), stream), "cudaMallocAsync");
-    LCG_CUDA_TRY(cudaMallocAsync(&s.ptr[2], std::max<uint64_t>(p.n_streams, 1) * 4, stream), "cudaMallocAsync");
+    LCG_CUDA_TRY(cudaMallocAsync(&s.ptr[2], std::max<uint64_t>(p.n_slices, 1) * 4, stream), "cudaMallocAsync");
     LCG_CUDA_TRY(cudaMallocAsync(&s.ptr[3], std::max<uint64_t>(p.n_escapes, 1) * 8, stream), "cudaMallocAsync");
     container = static_cast<uint8_t *>(s.ptr[0]);
     arena = static_cast<uint8_t *>(s.ptr[1]);
@@ -196,6 +224,7 @@ int decode(const Plan * plan, void * stream_ptr, uint32_t * status, char * msg, 
     LCG_CUDA_TRY(cudaMemcpyAsync(container, p.container, p.container_size, cudaMemcpyHostToDevice, stream),
                  "uploading the container");
     LCG_CUDA_TRY(cudaMemcpyAsync(arena, p.arena, p.arena_size, cudaMemcpyHostToDevice, stream), "uploading the plan");
+    LCG_CUDA_TRY(cudaEventRecord(s.event[1], stream), "cudaEventRecord");
     const ZeroJob * zeros = reinterpret_cast<const ZeroJob *>(p.arena + p.zeros);
     for (uint32_t z = 0; z < p.n_zeros; z++) {
         LCG_CUDA_TRY(cudaMemsetAsync(p.dst + zeros[z].dst, 0, zeros[z].size, stream), "cudaMemsetAsync");
@@ -205,7 +234,8 @@ int decode(const Plan * plan, void * stream_ptr, uint32_t * status, char * msg, 
     a.arena = arena;
     a.stats = p.device_stats ? p.device_stats : arena + p.stats;
     a.tensors = reinterpret_cast<const TensorJob *>(arena + p.tensors);
-    a.streams = reinterpret_cast<const StreamJob *>(arena + p.streams);
+    a.slices = reinterpret_cast<const SliceJob *>(arena + p.slices);
+    a.blocks = reinterpret_cast<const BlockJob *>(arena + p.blocks);
     a.dst = p.dst;
     a.status = d_status;
     a.escape_at = escape_at;
@@ -213,11 +243,11 @@ int decode(const Plan * plan, void * stream_ptr, uint32_t * status, char * msg, 
     a.planes = reinterpret_cast<const PlaneJob *>(arena + p.planes);
     a.copies = reinterpret_cast<const CopyJob *>(arena + p.copies);
     a.smem_tables = 0;
-    if (p.n_streams > 0) {
-        const StreamJob * streams = reinterpret_cast<const StreamJob *>(p.arena + p.streams);
+    if (p.n_blocks > 0) {
+        const BlockJob * blocks = reinterpret_cast<const BlockJob *>(p.arena + p.blocks);
         uint32_t max_tables = 0;
-        for (uint32_t j = 0; j < p.n_streams; j++) {
-            max_tables = std::max(max_tables, streams[j].n_tables);
+        for (uint32_t j = 0; j < p.n_blocks; j++) {
+            max_tables = std::max(max_tables, blocks[j].n_tables);
         }
         int device = 0, optin = 0;
         LCG_CUDA_TRY(cudaGetDevice(&device), "cudaGetDevice");
@@ -226,12 +256,12 @@ int decode(const Plan * plan, void * stream_ptr, uint32_t * status, char * msg, 
         const size_t cap = std::min<size_t>(MAX_TABLE_SMEM, static_cast<size_t>(optin));
         a.smem_tables = static_cast<uint32_t>(std::min<size_t>(max_tables, cap / sizeof(Table)));
         const size_t smem = a.smem_tables * sizeof(Table);
-        LCG_CUDA_TRY(cudaFuncSetAttribute(decode_streams, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        LCG_CUDA_TRY(cudaFuncSetAttribute(decode_slices, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)),
                      "cudaFuncSetAttribute");
-        decode_streams<<<p.n_streams, 32, smem, stream>>>(a);
-        LCG_CUDA_TRY(cudaGetLastError(), "launching decode_streams");
-        patch_escapes<<<p.n_streams, 128, 0, stream>>>(a);
+        decode_slices<<<p.n_blocks, 32 * BLOCK_WARPS, smem, stream>>>(a);
+        LCG_CUDA_TRY(cudaGetLastError(), "launching decode_slices");
+        patch_escapes<<<p.n_slices, 128, 0, stream>>>(a);
         LCG_CUDA_TRY(cudaGetLastError(), "launching patch_escapes");
     }
     for (uint32_t j = 0; j < p.n_planes; j += 65535) {  // gridDim.y is at most 65535
@@ -243,11 +273,17 @@ int decode(const Plan * plan, void * stream_ptr, uint32_t * status, char * msg, 
         copy_runs<<<p.n_copies, 128, 0, stream>>>(a);
         LCG_CUDA_TRY(cudaGetLastError(), "launching copy_runs");
     }
-    if (p.n_streams > 0) {
-        LCG_CUDA_TRY(cudaMemcpyAsync(status, d_status, p.n_streams * 4ull, cudaMemcpyDeviceToHost, stream),
-                     "reading the stream status");
+    LCG_CUDA_TRY(cudaEventRecord(s.event[2], stream), "cudaEventRecord");
+    if (p.n_slices > 0) {
+        LCG_CUDA_TRY(cudaMemcpyAsync(status, d_status, p.n_slices * 4ull, cudaMemcpyDeviceToHost, stream),
+                     "reading the slice status");
     }
     LCG_CUDA_TRY(cudaStreamSynchronize(stream), "decoding on the device");
+    float ms[2] = {0.0f, 0.0f};
+    LCG_CUDA_TRY(cudaEventElapsedTime(&ms[0], s.event[0], s.event[1]), "cudaEventElapsedTime");
+    LCG_CUDA_TRY(cudaEventElapsedTime(&ms[1], s.event[1], s.event[2]), "cudaEventElapsedTime");
+    p.seconds[0] = ms[0] * 1e-3;
+    p.seconds[1] = ms[1] * 1e-3;
     return LCG_OK;
 }
 

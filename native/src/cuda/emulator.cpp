@@ -18,15 +18,14 @@ namespace lcg::cuda {
 
 namespace {
 
-void decode_stream(const Args & a, uint32_t s) {
-    const StreamJob & sj = a.streams[s];
-    const Walk w = walk_open(a, s, reinterpret_cast<const Table *>(a.stats + sj.tables));
+void decode_slice(const Args & a, uint32_t s, const Table * tables, uint32_t group0) {
+    const Walk w = walk_open(a, s, tables, group0);
     Lane l[lanes::LANES];
     for (uint32_t j = 0; j < lanes::LANES; j++) {
         lane_open(a, w, j, l[j]);
     }
     uint64_t pos = 0, n_found = 0;
-    for (uint64_t k0 = 0; k0 < w.n; k0 += lanes::LANES) {
+    for (uint64_t k0 = w.sj.k0; k0 < w.sj.k1; k0 += lanes::LANES) {
         uint32_t mask = 0, emask = 0;
         for (uint32_t j = 0; j < lanes::LANES; j++) {
             lane_decode(w, l[j]);
@@ -38,7 +37,7 @@ void decode_stream(const Args & a, uint32_t s) {
             return;
         }
         for (uint32_t j = 0; j < lanes::LANES; j++) {
-            lane_refill(w, pos, mask, j, l[j]);
+            lane_refill(l[j], l[j].need ? word_at(w, lane_word_index(pos, mask, j)) : 0);
             lane_store(a, w, l[j]);
             emask |= uint32_t(lane_escapes(w, l[j])) << j;
         }
@@ -82,15 +81,16 @@ int copy(void * dst, const void * src, size_t size, void *, char *, size_t) {
     return LCG_OK;
 }
 
-int decode(const Plan * plan, void *, uint32_t * status, char *, size_t) {
-    const Plan & p = *plan;
+int decode(Plan * plan, void *, uint32_t * status, char *, size_t) {
+    Plan & p = *plan;
     std::vector<uint64_t> escape_at(p.n_escapes);
     Args a;
     a.container = p.container;
     a.arena = p.arena;
     a.stats = p.device_stats ? p.device_stats : p.arena + p.stats;
     a.tensors = reinterpret_cast<const TensorJob *>(p.arena + p.tensors);
-    a.streams = reinterpret_cast<const StreamJob *>(p.arena + p.streams);
+    a.slices = reinterpret_cast<const SliceJob *>(p.arena + p.slices);
+    a.blocks = reinterpret_cast<const BlockJob *>(p.arena + p.blocks);
     a.planes = reinterpret_cast<const PlaneJob *>(p.arena + p.planes);
     a.copies = reinterpret_cast<const CopyJob *>(p.arena + p.copies);
     a.dst = p.dst;
@@ -102,13 +102,16 @@ int decode(const Plan * plan, void *, uint32_t * status, char *, size_t) {
     for (uint32_t z = 0; z < p.n_zeros; z++) {
         std::memset(p.dst + zeros[z].dst, 0, zeros[z].size);
     }
-    for (uint32_t s = 0; s < p.n_streams; s++) {
-        decode_stream(a, s);
+    for (uint32_t b = 0; b < p.n_blocks; b++) {
+        const BlockJob & bj = a.blocks[b];
+        for (uint32_t s = bj.first; s < bj.first + bj.n_slices; s++) {
+            decode_slice(a, s, reinterpret_cast<const Table *>(a.stats + bj.tables), bj.group0);
+        }
     }
-    for (uint32_t s = 0; s < p.n_streams; s++) {
+    for (uint32_t s = 0; s < p.n_slices; s++) {
         if (status[s] == STREAM_OK) {
-            for (uint64_t e = 0; e < a.streams[s].n_escapes; e++) {
-                patch_escape(a, a.streams[s], e);
+            for (uint64_t e = 0; e < a.slices[s].n_escapes; e++) {
+                patch_escape(a, a.slices[s], e);
             }
         }
     }
@@ -121,6 +124,7 @@ int decode(const Plan * plan, void *, uint32_t * status, char *, size_t) {
     for (uint32_t c = 0; c < p.n_copies; c++) {
         std::memcpy(p.dst + a.copies[c].dst, p.container + a.copies[c].src, a.copies[c].size);
     }
+    p.seconds[0] = p.seconds[1] = 0.0;
     return LCG_OK;
 }
 

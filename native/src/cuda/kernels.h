@@ -1,10 +1,10 @@
 // kernels.h -- the decode kernels' per-lane work, written once for the GPU (decode.cu) and for the
 // CPU emulator of the backend (emulator.cpp) that the tests run on machines without a GPU.
 //
-// A warp walks a stream in steps of 32 elements. Between the warp votes (ballots) each lane runs
-// plain functions of its own state: lane_decode (the lanes.h step on a compact table), then after
-// the vote on `need` lane_refill and lane_store, then after the vote on escapes
-// lane_record_escape, then lane_next. decode.cu calls them from one thread per lane with
+// A warp walks a slice of a stream in steps of 32 elements. Between the warp votes (ballots) each
+// lane runs plain functions of its own state: lane_decode (the lanes.h step on a compact table),
+// then after the vote on `need` lane_refill (with the word lane_word_index names) and lane_store,
+// then after the vote on escapes lane_record_escape, then lane_next. decode.cu calls them from one thread per lane with
 // __ballot_sync between; the emulator calls them for lanes 0..31 in turn and computes each vote as
 // a mask. Only the two loop skeletons (a dozen lines each) differ.
 #pragma once
@@ -28,11 +28,12 @@ struct Args {
     const uint8_t * arena;
     const uint8_t * stats;  // the stats space
     const TensorJob * tensors;
-    const StreamJob * streams;
+    const SliceJob * slices;
+    const BlockJob * blocks;
     const PlaneJob * planes;
     const CopyJob * copies;
     uint8_t * dst;
-    uint32_t * status;      // per stream
+    uint32_t * status;      // per slice
     uint64_t * escape_at;   // element index of each escape
     const float * escape_q;
     uint32_t smem_tables;   // tables that fit a block's shared memory
@@ -94,14 +95,15 @@ LCG_HD inline float reconstruct(const Args & a, const TensorJob & t, uint64_t un
     return lanes::dequant(LCG_LDG(mean + unit), LCG_LDG(step + g), LCG_LDG(shrink + g), q);
 }
 
-// ---- one stream ---------------------------------------------------------------------------------
+// ---- one slice ----------------------------------------------------------------------------------
 
 struct Walk {
-    StreamJob sj;
+    SliceJob sj;
     TensorJob t;
-    const Table * tables;  // shared or global memory
+    const Table * tables;  // table group0 of the stream, in shared or global memory
+    uint32_t group0;
     const uint8_t * words;
-    uint64_t n_words, n, step_o, step_i;
+    uint64_t n_words, step_o, step_i;
 };
 
 struct Lane {
@@ -112,14 +114,14 @@ struct Lane {
     bool active, need;
 };
 
-LCG_HD inline Walk walk_open(const Args & a, uint32_t stream, const Table * tables) {
+LCG_HD inline Walk walk_open(const Args & a, uint32_t slice, const Table * tables, uint32_t group0) {
     Walk w;
-    w.sj = a.streams[stream];
+    w.sj = a.slices[slice];
     w.t = a.tensors[w.sj.tensor];
     w.tables = tables;
+    w.group0 = group0;
     w.words = a.container + w.sj.src + 4 * lanes::LANES;
     w.n_words = (w.sj.bytes - 4 * lanes::LANES) / 2;
-    w.n = w.t.n_outer * w.t.n_inner;
     w.step_o = lanes::LANES / w.t.n_inner;
     w.step_i = lanes::LANES % w.t.n_inner;
     return w;
@@ -127,31 +129,38 @@ LCG_HD inline Walk walk_open(const Args & a, uint32_t stream, const Table * tabl
 
 LCG_HD inline void lane_open(const Args & a, const Walk & w, uint32_t lane, Lane & l) {
     l.x = load_u32(a.container + w.sj.src + 4 * lane);  // the host checked every initial state
-    l.o = lane / w.t.n_inner;
-    l.i = lane % w.t.n_inner;
-    l.k = lane;
+    l.k = w.sj.k0 + lane;
+    l.o = l.k / w.t.n_inner;
+    l.i = l.k % w.t.n_inner;
 }
 
 // Decodes the lane's element of this step (if any): the state update, before renormalisation.
 LCG_HD inline void lane_decode(const Walk & w, Lane & l) {
-    l.active = l.k < w.n;
+    l.active = l.k < w.sj.k1;
     l.need = false;
     l.sym = 0;
     if (l.active) {
         const uint64_t unit = w.t.transposed ? l.o : l.i;
-        const uint32_t e = lookup(w.tables[unit >> w.t.group_shift], l.x & (lanes::PROB_SCALE - 1));
+        const uint32_t e = lookup(w.tables[(unit >> w.t.group_shift) - w.group0], l.x & (lanes::PROB_SCALE - 1));
         l.x = lanes::advance(l.x, e);
         l.need = lanes::needs_word(l.x);
         l.sym = lanes::entry_symbol(e);
     }
 }
 
-// After the vote on `need` (mask) with the warp's cursor at word `pos`, checked to hold the
-// popc(mask) words: the lane's word is the popc(mask & lanes below)-th.
-LCG_HD inline void lane_refill(const Walk & w, uint64_t pos, uint32_t mask, uint32_t lane, Lane & l) {
+// After the vote on `need` (mask) with the warp's cursor at word `pos`: the lane's word is the
+// popc(mask & lanes below)-th from there.
+LCG_HD inline uint64_t lane_word_index(uint64_t pos, uint32_t mask, uint32_t lane) {
+    return pos + popc32(mask & ((1u << lane) - 1));
+}
+
+LCG_HD inline uint32_t word_at(const Walk & w, uint64_t at) {
+    return uint32_t(LCG_LDG(w.words + 2 * at)) | uint32_t(LCG_LDG(w.words + 2 * at + 1)) << 8;
+}
+
+LCG_HD inline void lane_refill(Lane & l, uint32_t word) {
     if (l.need) {
-        const uint64_t at = pos + popc32(mask & ((1u << lane) - 1));
-        l.x = lanes::refill(l.x, uint32_t(w.words[2 * at]) | uint32_t(w.words[2 * at + 1]) << 8);
+        l.x = lanes::refill(l.x, word);
     }
 }
 
@@ -193,7 +202,7 @@ LCG_HD inline void lane_next(const Walk & w, Lane & l) {
     }
 }
 
-// The stream's status once every step ran (all_low: every lane's state is STATE_LOW).
+// The slice's status once every step ran (all_low: every lane's state is STATE_LOW).
 LCG_HD inline uint32_t walk_end(const Walk & w, uint64_t pos, bool all_low, uint64_t n_found) {
     if (pos != w.n_words) {
         return STREAM_LEFTOVER;
@@ -207,10 +216,10 @@ LCG_HD inline uint32_t walk_end(const Walk & w, uint64_t pos, bool all_low, uint
     return STREAM_OK;
 }
 
-// ---- after the streams ------------------------------------------------------------------------
+// ---- after the slices -------------------------------------------------------------------------
 
-// Escape e of a stream whose decode succeeded: writes its value over the escape symbol's.
-LCG_HD inline void patch_escape(const Args & a, const StreamJob & sj, uint64_t e) {
+// Escape e of a slice whose decode succeeded: writes its value over the escape symbol's.
+LCG_HD inline void patch_escape(const Args & a, const SliceJob & sj, uint64_t e) {
     const TensorJob t = a.tensors[sj.tensor];
     const uint64_t k = a.escape_at[sj.escapes + e];
     if (k >= t.n_outer * t.n_inner) {

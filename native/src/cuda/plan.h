@@ -4,8 +4,8 @@
 // checksums and the layout, parses each tensor section (exact rows, stream bounds and initial lane
 // states, escape values), checks every destination range, and lays the jobs below out in one
 // "arena" of plain structs. The backend uploads the container and the arena, runs the kernels on
-// the caller's stream and reports per stream what the host cannot know in advance (a stream that
-// runs past its words, has words left or declares another number of escapes). Plain structs only:
+// the caller's stream and reports per slice what the host cannot know in advance (a slice that
+// runs past its words, has words left or holds another number of escapes than declared). Plain structs only:
 // the two libraries share nothing else, and the main library loads the backend with dlopen.
 #pragma once
 
@@ -14,7 +14,7 @@
 
 namespace lcg::cuda {
 
-constexpr uint32_t BACKEND_ABI = 1;
+constexpr uint32_t BACKEND_ABI = 2;
 
 // A frequency table as the kernels read it (staged in shared memory): cumulative frequencies, and
 // per bucket of 32 slots the symbol that holds the bucket's first slot; a lookup walks up from
@@ -43,17 +43,26 @@ struct TensorJob {
     uint32_t aligned;                // the destination allows unit-sized stores
 };
 
-// One 32-lane stream: one warp decodes it.
-struct StreamJob {
+// One slice of a stream (docs/format.md, "Streams"): 32 lanes, one warp decodes it.
+struct SliceJob {
     uint64_t src;        // container offset: 32 x u32 initial states, then the words
     uint64_t bytes;
-    uint64_t tables;     // stats-space offset of its first table (of n_tables)
+    uint64_t k0, k1;     // the elements it codes, in its tensor's memory order
     uint64_t escapes;    // index of its first escape in the escape arrays
-    uint64_t n_escapes;  // declared by the section
+    uint64_t n_escapes;  // declared by the stream's directory
     uint32_t tensor;
     uint32_t plane;      // lossless: the byte plane it codes
+};
+
+// Up to BLOCK_WARPS consecutive slices of one stream, one warp each, in one thread block that
+// stages the tables they use (groups group0 .. group0 + n_tables - 1) in shared memory.
+constexpr uint32_t BLOCK_WARPS = 4;
+struct BlockJob {
+    uint64_t tables;  // stats-space offset of table group0 of the stream
+    uint32_t first;   // its first slice job
+    uint32_t n_slices;
+    uint32_t group0;
     uint32_t n_tables;
-    uint32_t pad;
 };
 
 // A stored lossless byte plane: n_outer x n_inner bytes in memory order.
@@ -81,14 +90,15 @@ struct Plan {
     // lcg_stats), or NULL when it is the arena from offset `stats`.
     const uint8_t * device_stats;
     uint64_t stats;
-    uint64_t tensors, streams, planes, copies, zeros, escape_values;  // arena offsets
-    uint32_t n_tensors, n_streams, n_planes, n_copies, n_zeros, pad;
-    uint64_t n_escapes;         // escape_values: one f32 q per escape, streams' escapes in order
+    uint64_t tensors, slices, blocks, planes, copies, zeros, escape_values;  // arena offsets
+    uint32_t n_tensors, n_slices, n_blocks, n_planes, n_copies, n_zeros;
+    uint64_t n_escapes;         // escape_values: one f32 q per escape, slices' escapes in order
     uint8_t * dst;              // device memory
     uint64_t dst_capacity;
+    double seconds[2];          // set by the backend: uploading the container and plan, the kernels
 };
 
-// What the decode kernel says about a stream.
+// What the decode kernel says about a slice.
 enum StreamStatus : uint32_t {
     STREAM_OK = 0,
     STREAM_OVERRUN = 1,    // a lane needed a word past the end
@@ -107,8 +117,9 @@ struct Backend {
     void (*free)(void * ptr);
     // Any direction (unified addressing), ordered on `stream` and waited for.
     int (*copy)(void * dst, const void * src, size_t size, void * stream, char * msg, size_t msg_size);
-    // Runs the plan on `stream` and waits for it; status gets n_streams StreamStatus (host memory).
-    int (*decode)(const Plan * plan, void * stream, uint32_t * status, char * msg, size_t msg_size);
+    // Runs the plan on `stream` and waits for it; status gets n_slices StreamStatus (host memory),
+    // plan->seconds the time of its phases.
+    int (*decode)(Plan * plan, void * stream, uint32_t * status, char * msg, size_t msg_size);
 };
 
 } // namespace lcg::cuda

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The CUDA backend on a machine with a GPU (docs/cuda.md), as one prepared run: build the package
+# with the kernels for that GPU, run tests/test_cuda.py (the GPU checks run in-process there), the
+# bad-input check under compute-sanitizer, then bench/cuda.py. Logs go to $OUT (default
+# /tmp/gpu-check). Needs nvcc, cmake, numpy, pytest and cffi in the python3 it finds.
+#
+#     OUT=/tmp/gpu bash bench/gpu-check.sh [bench/cuda.py arguments]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+ARCH=${LCG_CUDA_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
+
+export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+python3 -m pip install -q --no-build-isolation --no-deps --no-cache-dir \
+  --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" . 2>&1 | tail -20 || exit 1
+nvcc -arch=sm_"$ARCH" --fmad=false -std=c++17 -Xptxas -v -Inative/include -Inative/src \
+  -c native/src/cuda/*.cu -o /tmp/lcg-kernels.o 2>&1 | grep -E "Function properties|registers|spill" \
+  | tee "$OUT/ptxas.txt"
+
+export PYTHONUNBUFFERED=1
+timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.txt"
+if command -v compute-sanitizer >/dev/null; then
+  (cd tests && timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 -c \
+    "import test_cuda; test_cuda.check_bad_input_never_faults(); test_cuda.check_chunks_match_cpu(); print('sanitizer run ok')") \
+    2>&1 | tail -15 | tee "$OUT/sanitizer.txt"
+fi
+timeout 300 python3 bench/cuda.py "$@" 2>&1 | tee "$OUT/bench_cuda.txt"
