@@ -129,25 +129,6 @@ uint32_t log2_group(uint32_t group) {
     return s;
 }
 
-// The frequency tables (groups of units) that elements [k0, k1) of a tensor's memory order use.
-struct GroupRange {
-    uint32_t first, count;
-};
-GroupRange groups_of(const cuda::TensorJob & t, uint64_t k0, uint64_t k1) {
-    uint64_t u0 = 0, u1 = 0;  // units, inclusive
-    if (t.transposed) {  // outer = unit
-        u0 = k0 / t.n_inner;
-        u1 = (k1 - 1) / t.n_inner;
-    } else if (k1 - k0 >= t.n_inner || k0 / t.n_inner != (k1 - 1) / t.n_inner) {  // every unit
-        u1 = t.n_inner - 1;
-    } else {
-        u0 = k0 % t.n_inner;
-        u1 = (k1 - 1) % t.n_inner;
-    }
-    const uint32_t g0 = static_cast<uint32_t>(u0 >> t.group_shift), g1 = static_cast<uint32_t>(u1 >> t.group_shift);
-    return {g0, g1 - g0 + 1};
-}
-
 // Collects the jobs of one object, parsing each tensor section as decode_rows does.
 struct DeviceSink : DecodeSink {
     const uint8_t * container;
@@ -238,9 +219,7 @@ struct DeviceSink : DecodeSink {
             uint64_t escapes = escape_q.size();
             for (size_t first = 0; first < list.size(); first += cuda::BLOCK_WARPS) {
                 const size_t last = std::min(list.size(), first + cuda::BLOCK_WARPS) - 1;
-                const GroupRange g = groups_of(t, list[first].k0, list[last].k1);
-                blocks.push_back({tables + g.first * sizeof(cuda::Table), static_cast<uint32_t>(slices.size()),
-                                  static_cast<uint32_t>(last - first + 1), g.first, g.count});
+                blocks.push_back({tables, static_cast<uint32_t>(slices.size()), static_cast<uint32_t>(last - first + 1)});
                 for (size_t k = first; k <= last; k++) {
                     const rans::Slice & sl = list[k];
                     rans::open_stream(sl.data, sl.bytes);  // initial lane states, with the CPU's messages

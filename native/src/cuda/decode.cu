@@ -10,8 +10,7 @@
 //    reads or writes out of bounds.
 //  - The per-lane work between the votes is kernels.h, which emulator.cpp runs on the CPU for
 //    the tests; only the loop skeletons and the runtime calls here are GPU-only.
-//  - The tables a block's slices use are staged in shared memory when they fit (compact tables,
-//    plan.h), else read from global memory through the read-only cache.
+//  - Tables (compact, plan.h) are read from global memory through the L1 cache.
 //  - Escapes: the decode kernel records each escape symbol's element index (ballot + popc keep
 //    element order), a second kernel writes the escaped values; exact rows and verbatim bytes are
 //    copied last, so they overwrite what they must.
@@ -29,33 +28,26 @@ namespace lcg::cuda {
 namespace {
 
 constexpr unsigned FULL_MASK = 0xffffffffu;
-// Shared memory for tables per block: at most this much, so that two blocks share an SM.
-constexpr size_t MAX_TABLE_SMEM = 100 * 1024;
+// Blocks per SM the decode kernel is built for: 4 x 8 warps = half an H100/H200 SM's warps, which
+// caps registers at 64 per thread. The tables stay in global memory and reach the warps through
+// the L1 cache: measured on an H200 (512 MiB state, docs/cuda.md), staging a block's tables in
+// shared memory (82 KB for a 1,024-channel K) left fewer blocks per SM or less L1 and was slower
+// (121-134 GB/s balanced) than none (161 GB/s).
+constexpr int MIN_BLOCKS = 4;
 
-// One block = up to BLOCK_WARPS slices of one stream, a warp each, sharing the staged tables
-// (emulator.cpp: the same steps on the CPU). Words: each lane holds word base + lane and
-// base + 32 + lane of the slice; the warp's cursor stays within 32 of base, so every word a step
-// needs (at most 32) is in those 64 and reaches its lane by shuffle, while the load of the next 32
-// is in flight for several steps.
-__global__ void __launch_bounds__(32 * BLOCK_WARPS) decode_slices(Args a) {
-    extern __shared__ uint32_t smem[];
+// One block = up to BLOCK_WARPS slices of one stream, a warp each (emulator.cpp: the same steps
+// on the CPU). Words: each lane holds word base + lane and base + 32 + lane of the slice; the
+// warp's cursor stays within 32 of base, so every word a step needs (at most 32) is in those 64
+// and reaches its lane by shuffle, while the load of the next 32 is in flight for several steps.
+__global__ void __launch_bounds__(32 * BLOCK_WARPS, MIN_BLOCKS) decode_slices(Args a) {
     const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const BlockJob bj = a.blocks[blockIdx.x];
     const Table * tables = reinterpret_cast<const Table *>(a.stats + bj.tables);
-    if (bj.n_tables <= a.smem_tables) {
-        const uint32_t words = bj.n_tables * (sizeof(Table) / 4);
-        const uint32_t * src = reinterpret_cast<const uint32_t *>(tables);  // 4-aligned (host)
-        for (uint32_t w = threadIdx.x; w < words; w += blockDim.x) {
-            smem[w] = __ldg(src + w);
-        }
-        __syncthreads();
-        tables = reinterpret_cast<const Table *>(smem);
-    }
     if (warp >= bj.n_slices) {
         return;
     }
     const uint32_t slice = bj.first + warp;
-    const Walk w = walk_open(a, slice, tables, bj.group0);
+    const Walk w = walk_open(a, slice, tables);
     auto load = [&](uint64_t at) { return at < w.n_words ? word_at(w, at) : 0u; };
     Lane l;
     lane_open(a, w, lane, l);
@@ -116,10 +108,14 @@ __global__ void stored_planes(Args a, uint32_t first) {
     }
 }
 
-// Container bytes to the destination, one block per job.
-__global__ void copy_runs(Args a) {
-    const CopyJob c = a.copies[blockIdx.x];
-    for (uint64_t b = threadIdx.x; b < c.size; b += blockDim.x) {
+// Container bytes to the destination, one warp per job (most are an exact row's few bytes).
+__global__ void copy_runs(Args a, uint32_t n_copies) {
+    const uint32_t job = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (job >= n_copies) {
+        return;
+    }
+    const CopyJob c = a.copies[job];
+    for (uint64_t b = threadIdx.x % 32; b < c.size; b += 32) {
         a.dst[c.dst + b] = a.container[c.src + b];
     }
 }
@@ -242,24 +238,8 @@ int decode(Plan * plan, void * stream_ptr, uint32_t * status, char * msg, size_t
     a.escape_q = reinterpret_cast<const float *>(arena + p.escape_values);
     a.planes = reinterpret_cast<const PlaneJob *>(arena + p.planes);
     a.copies = reinterpret_cast<const CopyJob *>(arena + p.copies);
-    a.smem_tables = 0;
     if (p.n_blocks > 0) {
-        const BlockJob * blocks = reinterpret_cast<const BlockJob *>(p.arena + p.blocks);
-        uint32_t max_tables = 0;
-        for (uint32_t j = 0; j < p.n_blocks; j++) {
-            max_tables = std::max(max_tables, blocks[j].n_tables);
-        }
-        int device = 0, optin = 0;
-        LCG_CUDA_TRY(cudaGetDevice(&device), "cudaGetDevice");
-        LCG_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                     "cudaDeviceGetAttribute");
-        const size_t cap = std::min<size_t>(MAX_TABLE_SMEM, static_cast<size_t>(optin));
-        a.smem_tables = static_cast<uint32_t>(std::min<size_t>(max_tables, cap / sizeof(Table)));
-        const size_t smem = a.smem_tables * sizeof(Table);
-        LCG_CUDA_TRY(cudaFuncSetAttribute(decode_slices, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)),
-                     "cudaFuncSetAttribute");
-        decode_slices<<<p.n_blocks, 32 * BLOCK_WARPS, smem, stream>>>(a);
+        decode_slices<<<p.n_blocks, 32 * BLOCK_WARPS, 0, stream>>>(a);
         LCG_CUDA_TRY(cudaGetLastError(), "launching decode_slices");
         patch_escapes<<<p.n_slices, 128, 0, stream>>>(a);
         LCG_CUDA_TRY(cudaGetLastError(), "launching patch_escapes");
@@ -270,7 +250,7 @@ int decode(Plan * plan, void * stream_ptr, uint32_t * status, char * msg, size_t
         LCG_CUDA_TRY(cudaGetLastError(), "launching stored_planes");
     }
     if (p.n_copies > 0) {
-        copy_runs<<<p.n_copies, 128, 0, stream>>>(a);
+        copy_runs<<<(p.n_copies + 3) / 4, 128, 0, stream>>>(a, p.n_copies);
         LCG_CUDA_TRY(cudaGetLastError(), "launching copy_runs");
     }
     LCG_CUDA_TRY(cudaEventRecord(s.event[2], stream), "cudaEventRecord");

@@ -18,8 +18,8 @@ namespace lcg::cuda {
 
 namespace {
 
-void decode_slice(const Args & a, uint32_t s, const Table * tables, uint32_t group0) {
-    const Walk w = walk_open(a, s, tables, group0);
+void decode_slice(const Args & a, uint32_t s, const Table * tables) {
+    const Walk w = walk_open(a, s, tables);
     Lane l[lanes::LANES];
     for (uint32_t j = 0; j < lanes::LANES; j++) {
         lane_open(a, w, j, l[j]);
@@ -97,7 +97,6 @@ int decode(Plan * plan, void *, uint32_t * status, char *, size_t) {
     a.status = status;
     a.escape_at = escape_at.data();
     a.escape_q = reinterpret_cast<const float *>(p.arena + p.escape_values);
-    a.smem_tables = 0;
     const ZeroJob * zeros = reinterpret_cast<const ZeroJob *>(p.arena + p.zeros);
     for (uint32_t z = 0; z < p.n_zeros; z++) {
         std::memset(p.dst + zeros[z].dst, 0, zeros[z].size);
@@ -105,7 +104,7 @@ int decode(Plan * plan, void *, uint32_t * status, char *, size_t) {
     for (uint32_t b = 0; b < p.n_blocks; b++) {
         const BlockJob & bj = a.blocks[b];
         for (uint32_t s = bj.first; s < bj.first + bj.n_slices; s++) {
-            decode_slice(a, s, reinterpret_cast<const Table *>(a.stats + bj.tables), bj.group0);
+            decode_slice(a, s, reinterpret_cast<const Table *>(a.stats + bj.tables));
         }
     }
     for (uint32_t s = 0; s < p.n_slices; s++) {

@@ -36,7 +36,6 @@ struct Args {
     uint32_t * status;      // per slice
     uint64_t * escape_at;   // element index of each escape
     const float * escape_q;
-    uint32_t smem_tables;   // tables that fit a block's shared memory
 };
 
 LCG_HD inline uint32_t load_u32(const uint8_t * p) {
@@ -100,8 +99,7 @@ LCG_HD inline float reconstruct(const Args & a, const TensorJob & t, uint64_t un
 struct Walk {
     SliceJob sj;
     TensorJob t;
-    const Table * tables;  // table group0 of the stream, in shared or global memory
-    uint32_t group0;
+    const Table * tables;  // the stream's
     const uint8_t * words;
     uint64_t n_words, step_o, step_i;
 };
@@ -114,12 +112,11 @@ struct Lane {
     bool active, need;
 };
 
-LCG_HD inline Walk walk_open(const Args & a, uint32_t slice, const Table * tables, uint32_t group0) {
+LCG_HD inline Walk walk_open(const Args & a, uint32_t slice, const Table * tables) {
     Walk w;
     w.sj = a.slices[slice];
     w.t = a.tensors[w.sj.tensor];
     w.tables = tables;
-    w.group0 = group0;
     w.words = a.container + w.sj.src + 4 * lanes::LANES;
     w.n_words = (w.sj.bytes - 4 * lanes::LANES) / 2;
     w.step_o = lanes::LANES / w.t.n_inner;
@@ -141,7 +138,7 @@ LCG_HD inline void lane_decode(const Walk & w, Lane & l) {
     l.sym = 0;
     if (l.active) {
         const uint64_t unit = w.t.transposed ? l.o : l.i;
-        const uint32_t e = lookup(w.tables[(unit >> w.t.group_shift) - w.group0], l.x & (lanes::PROB_SCALE - 1));
+        const uint32_t e = lookup(w.tables[unit >> w.t.group_shift], l.x & (lanes::PROB_SCALE - 1));
         l.x = lanes::advance(l.x, e);
         l.need = lanes::needs_word(l.x);
         l.sym = lanes::entry_symbol(e);

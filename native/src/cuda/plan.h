@@ -16,10 +16,10 @@ namespace lcg::cuda {
 
 constexpr uint32_t BACKEND_ABI = 2;
 
-// A frequency table as the kernels read it (staged in shared memory): cumulative frequencies, and
-// per bucket of 32 slots the symbol that holds the bucket's first slot; a lookup walks up from
-// there. 644 bytes instead of the CPU's 16 KiB slot table, so a tensor's tables fit in shared
-// memory; both give the same slot entry (lanes::slot_entry).
+// A frequency table as the kernels read it: cumulative frequencies, and per bucket of 32 slots the
+// symbol that holds the bucket's first slot; a lookup walks up from there. 644 bytes instead of
+// the CPU's 16 KiB slot table, so a tensor's tables stay in the L1 cache; both give the same slot
+// entry (lanes::slot_entry).
 constexpr uint32_t BUCKET_SHIFT = 5;
 struct Table {
     uint16_t cum[258];  // cum[s] for s = 0..256 (cum[256] = 4096), then one pad
@@ -54,15 +54,12 @@ struct SliceJob {
     uint32_t plane;      // lossless: the byte plane it codes
 };
 
-// Up to BLOCK_WARPS consecutive slices of one stream, one warp each, in one thread block that
-// stages the tables they use (groups group0 .. group0 + n_tables - 1) in shared memory.
-constexpr uint32_t BLOCK_WARPS = 4;
+// Up to BLOCK_WARPS consecutive slices of one stream, one warp each, in one thread block.
+constexpr uint32_t BLOCK_WARPS = 8;
 struct BlockJob {
-    uint64_t tables;  // stats-space offset of table group0 of the stream
+    uint64_t tables;  // stats-space offset of the stream's first table
     uint32_t first;   // its first slice job
     uint32_t n_slices;
-    uint32_t group0;
-    uint32_t n_tables;
 };
 
 // A stored lossless byte plane: n_outer x n_inner bytes in memory order.
