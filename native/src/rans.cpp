@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <cmath>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace lcg::rans {
 
 namespace {
@@ -32,8 +36,157 @@ EncSymbol enc_symbol(uint32_t cum, uint32_t freq) {
 void build_enc_table(const Table & t, EncTable & e) {
     for (uint32_t s = t.first; s <= t.last; s++) {
         if (t.freq[s]) {
-            e.sym[s] = enc_symbol(t.cum[s], t.freq[s]);
+            const EncSymbol & es = e.sym[s] = enc_symbol(t.cum[s], t.freq[s]);
+            e.rcp[s] = es.rcp_freq;
+            e.packed[s] = es.bias | es.cmpl_freq << 13 | es.rcp_shift << 25;
         }
+    }
+}
+
+namespace {
+
+// One symbol: the scalar step (ryg_rans's RansEncPutSymbol on lane j's state).
+inline void put_symbol(uint32_t & x, const EncSymbol & e, uint16_t *& ptr) {
+    if (x >= e.x_max) {
+        *--ptr = static_cast<uint16_t>(x);
+        x >>= 16;
+    }
+    const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(x) * e.rcp_freq) >> 32) >> e.rcp_shift;
+    x = x + e.bias + q * e.cmpl_freq;
+}
+
+#if defined(__x86_64__)
+// For an emit mask of 8 lanes: the emitting lanes in ascending order, right-aligned in 8 places
+// (the words are stored as 8 at ptr - 8; the places below the emitted ones are overwritten later).
+struct EmitTable {
+    alignas(32) int32_t idx[256][8];
+    EmitTable() {
+        for (int m = 0; m < 256; m++) {
+            const int cnt = __builtin_popcount(m);
+            int at = 8 - cnt;
+            for (int j = 0; j < 8; j++) {
+                idx[m][j] = 0;
+            }
+            for (int j = 0; j < 8; j++) {
+                if (m & (1 << j)) {
+                    idx[m][at++] = j;
+                }
+            }
+        }
+    }
+};
+const EmitTable emit_table;
+
+// Full steps [k_begin, k_end) (multiples of 32), last step first, when every 8 consecutive
+// elements share a table (n_inner % 8 == 0): 4 vectors of 8 lanes, lanes 24..31 first, each
+// vector's words written as one block below ptr, as the scalar loop writes them one by one.
+__attribute__((target("avx2"))) void encode_steps_avx2(const SymbolMatrix & m, size_t k_begin, size_t k_end,
+                                                       uint32_t * x, uint16_t *& ptr) {
+    __m256i X[4];
+    for (int v = 0; v < 4; v++) {
+        X[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x + 8 * v));
+    }
+    const __m256i one = _mm256_set1_epi32(1), full = _mm256_set1_epi32(int(PROB_SCALE));
+    const __m256i mask13 = _mm256_set1_epi32(0x1fff), mask12 = _mm256_set1_epi32(0xfff);
+    const __m256i pack16 = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8,
+                                            9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    size_t o = k_end / m.n_inner, i = k_end % m.n_inner;  // of the element after the vector
+    for (size_t k = k_end; k > k_begin;) {
+        for (int v = 3; v >= 0; v--) {
+            k -= 8;
+            if (i == 0) {
+                i = m.n_inner;
+                o--;
+            }
+            i -= 8;
+            const EncTable & t = *m.unit_table[m.unit_is_outer ? o : i];
+            const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(m.sym + k)));
+            const __m256i rcp = _mm256_i32gather_epi32(reinterpret_cast<const int *>(t.rcp), s, 4);
+            const __m256i pk = _mm256_i32gather_epi32(reinterpret_cast<const int *>(t.packed), s, 4);
+            const __m256i bias = _mm256_and_si256(pk, mask13);
+            const __m256i cmpl = _mm256_and_si256(_mm256_srli_epi32(pk, 13), mask12);
+            const __m256i shift = _mm256_srli_epi32(pk, 25);
+            // x >= freq << 19, as signed compares (freq = 4096 gives INT_MAX: never)
+            const __m256i x_max1 = _mm256_sub_epi32(_mm256_slli_epi32(_mm256_sub_epi32(full, cmpl), 19), one);
+            __m256i xv = X[v];
+            const __m256i need = _mm256_cmpgt_epi32(xv, x_max1);
+            const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+            const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i *>(emit_table.idx[mask]));
+            const __m256i words = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(xv, idx), pack16);
+            _mm_storeu_si128(reinterpret_cast<__m128i *>(ptr - 8),
+                             _mm256_castsi256_si128(_mm256_permute4x64_epi64(words, 0xd8)));
+            ptr -= __builtin_popcount(mask);
+            xv = _mm256_blendv_epi8(xv, _mm256_srli_epi32(xv, 16), need);
+            // q = (x * rcp_freq) >> 32 >> rcp_shift: high halves of even and odd lanes' products
+            const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(xv, rcp), 32);
+            const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(xv, 32), _mm256_srli_epi64(rcp, 32));
+            const __m256i q = _mm256_srlv_epi32(_mm256_blend_epi32(even, odd, 0xaa), shift);
+            X[v] = _mm256_add_epi32(_mm256_add_epi32(xv, bias), _mm256_mullo_epi32(q, cmpl));
+        }
+    }
+    for (int v = 0; v < 4; v++) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(x + 8 * v), X[v]);
+    }
+}
+#endif
+
+} // namespace
+
+void encode_slice(const SymbolMatrix & m, size_t k0, size_t k1, ByteWriter & w) {
+    constexpr size_t SLACK = 8;  // the vector path stores 8 words below its cursor
+    std::vector<uint16_t> words(SLACK + k1 - k0);
+    uint16_t * const end = words.data() + words.size();
+    uint16_t * ptr = end;
+    uint32_t x[LANES];
+    for (uint32_t j = 0; j < LANES; j++) {
+        x[j] = STATE_LOW;
+    }
+    // The last, partial step first, one symbol at a time (rANS codes backwards).
+    const size_t k_full = k0 + (k1 - k0) / LANES * LANES;
+    size_t k = k1;
+    auto scalar_until = [&](size_t k_stop) {
+        size_t o = k / m.n_inner, i = k % m.n_inner;
+        for (; k > k_stop; k--) {
+            if (i-- == 0) {
+                i = m.n_inner - 1;
+                o--;
+            }
+            put_symbol(x[(k - 1) % LANES], m.unit_table[m.unit_is_outer ? o : i]->sym[m.sym[k - 1]], ptr);
+        }
+    };
+    scalar_until(k_full);
+#if defined(__x86_64__)
+    if (cpu_has_avx2 && m.n_inner % 8 == 0) {
+        encode_steps_avx2(m, k0, k_full, x, ptr);
+        k = k0;
+    }
+#endif
+    scalar_until(k0);
+    for (uint32_t j = 0; j < LANES; j++) {
+        w.u32(x[j]);
+    }
+    w.put(ptr, 2 * static_cast<size_t>(end - ptr));
+}
+
+void encode_stream(const SymbolMatrix & m, uint32_t slice_elements, int counted_symbol, ByteWriter & w) {
+    const size_t n = m.n_outer * m.n_inner;
+    w.u32(slice_elements);
+    std::vector<ByteWriter> slices((n + slice_elements - 1) / slice_elements);
+    for (size_t s = 0; s < slices.size(); s++) {
+        const size_t k0 = s * slice_elements, k1 = std::min(n, k0 + slice_elements);
+        encode_slice(m, k0, k1, slices[s]);
+        w.u32(static_cast<uint32_t>(slices[s].buf.size()));
+        if (counted_symbol >= 0) {  // a rare symbol (escapes): memchr skips to each
+            uint32_t count = 0;
+            for (const void * p = std::memchr(m.sym + k0, counted_symbol, k1 - k0); p != nullptr; count++) {
+                const uint8_t * next = static_cast<const uint8_t *>(p) + 1;
+                p = next < m.sym + k1 ? std::memchr(next, counted_symbol, static_cast<size_t>(m.sym + k1 - next)) : nullptr;
+            }
+            w.u32(count);
+        }
+    }
+    for (const ByteWriter & s : slices) {
+        w.put(s.buf.data(), s.buf.size());
     }
 }
 

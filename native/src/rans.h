@@ -60,6 +60,10 @@ struct EncSymbol {
 };
 struct EncTable {
     EncSymbol sym[256];
+    // The same for the AVX2 encoder: rcp_freq, and bias | cmpl_freq << 13 | rcp_shift << 25 (x_max
+    // is freq << 19); one gather each.
+    uint32_t rcp[256];
+    uint32_t packed[256];
 };
 void build_enc_table(const Table & t, EncTable & e);
 // 4096 decode slots.
@@ -73,59 +77,22 @@ void build_decode_slots(const Table & t, uint32_t * slots);
 constexpr uint32_t DEFAULT_SLICE = 65536;
 constexpr size_t MIN_SLICE_BYTES = STATE_BYTES;
 
-// Codes symbols [k0, k1) of an n_outer x n_inner matrix in memory order (symbol k = outer *
-// n_inner + inner; k0 a multiple of 32) with table_of(outer, inner) -> const EncTable &, as one
-// slice appended to w. A symbol must have nonzero frequency in its table.
-template <typename TableOf>
-void encode_slice(const uint8_t * sym, size_t k0, size_t k1, size_t n_inner, TableOf && table_of, ByteWriter & w) {
-    std::vector<uint16_t> words(k1 - k0 + 1);
-    uint16_t * const end = words.data() + words.size();
-    uint16_t * ptr = end;
-    uint32_t x[LANES];
-    for (uint32_t j = 0; j < LANES; j++) {
-        x[j] = STATE_LOW;
-    }
-    size_t o = k1 / n_inner, i = k1 % n_inner;
-    for (size_t k = k1; k-- > k0;) {
-        if (i-- == 0) {
-            i = n_inner - 1;
-            o--;
-        }
-        const EncSymbol & e = table_of(o, i).sym[sym[k]];
-        uint32_t & xj = x[k % LANES];
-        if (xj >= e.x_max) {
-            *--ptr = static_cast<uint16_t>(xj);
-            xj >>= 16;
-        }
-        const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(xj) * e.rcp_freq) >> 32) >> e.rcp_shift;
-        xj = xj + e.bias + q * e.cmpl_freq;
-    }
-    for (uint32_t j = 0; j < LANES; j++) {
-        w.u32(x[j]);
-    }
-    w.put(ptr, 2 * static_cast<size_t>(end - ptr));
-}
+// The symbols of an n_outer x n_inner matrix in memory order (symbol k = outer * n_inner +
+// inner) and the table of each unit: unit = outer when unit_is_outer (transposed V), else inner.
+// Every symbol must have nonzero frequency in its table.
+struct SymbolMatrix {
+    const uint8_t * sym;
+    size_t n_outer, n_inner;
+    bool unit_is_outer;
+    const EncTable * const * unit_table;
+};
+
+// Codes symbols [k0, k1) (k0 a multiple of 32) as one slice appended to w.
+void encode_slice(const SymbolMatrix & m, size_t k0, size_t k1, ByteWriter & w);
 
 // Codes the whole matrix as a sliced stream (u32 slice_elements, directory, slices) appended to
-// w. count_of(k0, k1) -> uint32_t, when given, is stored per slice in the directory.
-template <typename TableOf, typename CountOf>
-void encode_stream(const uint8_t * sym, size_t n_outer, size_t n_inner, uint32_t slice_elements,
-                   TableOf && table_of, const CountOf * count_of, ByteWriter & w) {
-    const size_t n = n_outer * n_inner;
-    w.u32(slice_elements);
-    std::vector<ByteWriter> slices((n + slice_elements - 1) / slice_elements);
-    for (size_t s = 0; s < slices.size(); s++) {
-        const size_t k0 = s * slice_elements, k1 = std::min(n, k0 + slice_elements);
-        encode_slice(sym, k0, k1, n_inner, table_of, slices[s]);
-        w.u32(static_cast<uint32_t>(slices[s].buf.size()));
-        if (count_of) {
-            w.u32((*count_of)(k0, k1));
-        }
-    }
-    for (const ByteWriter & s : slices) {
-        w.put(s.buf.data(), s.buf.size());
-    }
-}
+// w. With counted_symbol >= 0, each directory entry also counts that symbol in its slice.
+void encode_stream(const SymbolMatrix & m, uint32_t slice_elements, int counted_symbol, ByteWriter & w);
 
 // One slice of a stream, as the directory gives it (bounds checked against the stream).
 struct Slice {

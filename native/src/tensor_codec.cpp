@@ -15,6 +15,9 @@ namespace {
 
 constexpr uint8_t CODING_LOSSLESS = 0;
 constexpr uint8_t CODING_LOSSY = 1;
+// How values are transformed before quantization (docs/format.md, "Stats section"); only the
+// identity exists, other ids are refused so that a newer writer's transform is never misread.
+constexpr uint16_t TRANSFORM_NONE = 0;
 constexpr uint32_t MAX_GROUP = 32;
 constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;
 
@@ -152,11 +155,9 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         load_values(base, t, u0, gn, v);
         double sum[MAX_GROUP] = {0}, sum_sq[MAX_GROUP] = {0};
         for (size_t i = 0; i < n; i++) {
-            if (is_sink[i]) {
-                continue;
-            }
+            const bool sink = is_sink[i];  // a select, not a branch: the g loop vectorizes
             for (uint32_t g = 0; g < gn; g++) {
-                const double x = v[i * gn + g];
+                const double x = sink ? 0.0 : static_cast<double>(v[i * gn + g]);
                 sum[g] += x;
                 sum_sq[g] += x * x;
             }
@@ -202,9 +203,22 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         const double mean_shrink =
             shrink.count ? static_cast<double>(shrink.fixed) / 65536.0 / static_cast<double>(shrink.count) : 0.0;
         s.shrink_u8[gi] = static_cast<uint8_t>(std::clamp(std::lround(mean_shrink * 256.0), 0L, 127L));
+        // Four histograms, summed: consecutive equal symbols do not wait on each other's increment.
+        uint32_t part[4][256] = {};
+        const size_t n_sym = n * gn;
+        size_t x = 0;
+        for (; x + 4 <= n_sym; x += 4) {
+            part[0][gsym[x]]++;
+            part[1][gsym[x + 1]]++;
+            part[2][gsym[x + 2]]++;
+            part[3][gsym[x + 3]]++;
+        }
+        for (; x < n_sym; x++) {
+            part[0][gsym[x]]++;
+        }
         uint32_t * c = &counts[static_cast<size_t>(gi) * 256];
-        for (size_t x = 0; x < n * gn; x++) {
-            c[gsym[x]]++;
+        for (int b = 0; b < 256; b++) {
+            c[b] = part[0][b] + part[1][b] + part[2][b] + part[3][b];
         }
         if (t.transposed) {
             for (uint32_t g = 0; g < gn; g++) {
@@ -498,7 +512,7 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
 void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t) {
     w.u8(s.lossy ? CODING_LOSSY : CODING_LOSSLESS);
     w.u8(static_cast<uint8_t>(s.group));
-    w.u16(0);
+    w.u16(TRANSFORM_NONE);
     if (s.lossy) {
         for (uint32_t gi = 0; gi < s.n_groups; gi++) {
             w.u16(s.step_f16[gi]);
@@ -521,9 +535,10 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & t) {
     TensorStats s;
     const uint8_t coding = r.u8();
     s.group = r.u8();
-    r.u16();
+    const uint16_t transform = r.u16();
     LCG_CHECK(coding <= CODING_LOSSY && (s.group == 8 || s.group == 16 || s.group == 32), LCG_ERR_CORRUPT,
               "tensor statistics: coding %u, group of %u units", coding, s.group);
+    LCG_CHECK(transform == TRANSFORM_NONE, LCG_ERR_CORRUPT, "tensor statistics: unknown transform %u", transform);
     s.lossy = coding == CODING_LOSSY;
     LCG_CHECK(!s.lossy || ggml_type_info(t.ggml_type)->is_float, LCG_ERR_CORRUPT, "lossy statistics for a %s tensor",
               ggml_type_info(t.ggml_type)->name);
@@ -624,25 +639,14 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     };
     // Unit u codes with table group u / group: per unit, its table.
     std::vector<const rans::EncTable *> unit_table(t.n_units);
-    // Lossy slices count their escape symbols in the stream's directory.
-    auto escapes_in = [&](size_t k0, size_t k1) {
-        return static_cast<uint32_t>(std::count(sym.begin() + k0, sym.begin() + k1, SYM_ESCAPE));
-    };
     auto coded = [&](const rans::EncTable * tables) {
         for (uint32_t u = 0; u < t.n_units; u++) {
             unit_table[u] = &tables[u / s.group];
         }
         ByteWriter stream;
-        const auto * counts = s.lossy ? &escapes_in : nullptr;
-        if (t.transposed) {
-            rans::encode_stream(
-                sym.data(), n_outer(obj), n_inner(obj), slice_elements,
-                [&](size_t o, size_t) -> const rans::EncTable & { return *unit_table[o]; }, counts, stream);
-        } else {
-            rans::encode_stream(
-                sym.data(), n_outer(obj), n_inner(obj), slice_elements,
-                [&](size_t, size_t i) -> const rans::EncTable & { return *unit_table[i]; }, counts, stream);
-        }
+        // Lossy slices count their escape symbols in the stream's directory.
+        rans::encode_stream({sym.data(), n_outer(obj), n_inner(obj), t.transposed, unit_table.data()},
+                            slice_elements, s.lossy ? SYM_ESCAPE : -1, stream);
         w.u32(static_cast<uint32_t>(stream.buf.size()));
         w.put(stream.buf.data(), stream.buf.size());
     };
@@ -657,15 +661,20 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
             gather([&](uint32_t cell, uint32_t unit) { return e.sym[state_index(t, cell, unit)]; });
         }
         coded(e.enc.data());
+        // The escaped values, in the object's order: memchr finds each escape symbol; its value is
+        // the entry after the previous one when the rows run in state order (whole objects and
+        // chunks of contiguous cells), else found by binary search.
         std::vector<int64_t> esc;
-        for (size_t o = 0, k = 0; o < n_outer(obj); o++) {
-            for (size_t i = 0; i < n_inner(obj); i++, k++) {
-                if (sym[k] == SYM_ESCAPE) {
-                    const RowUnit ru = row_unit(obj, o, i);
-                    const uint64_t at = state_index(t, cells[ru.row], ru.unit);
-                    esc.push_back(std::lower_bound(e.escapes.begin(), e.escapes.end(), std::make_pair(at, INT64_MIN))->second);
-                }
+        auto entry = e.escapes.begin();
+        for (const void * p = std::memchr(sym.data(), SYM_ESCAPE, n); p != nullptr;) {
+            const size_t k = static_cast<size_t>(static_cast<const uint8_t *>(p) - sym.data());
+            const RowUnit ru = row_unit(obj, k);
+            const uint64_t at = state_index(t, cells[ru.row], ru.unit);
+            if (esc.empty() || entry + 1 == e.escapes.end() || (++entry)->first != at) {
+                entry = std::lower_bound(e.escapes.begin(), e.escapes.end(), std::make_pair(at, INT64_MIN));
             }
+            esc.push_back(entry->second);
+            p = k + 1 < n ? std::memchr(sym.data() + k + 1, SYM_ESCAPE, n - k - 1) : nullptr;
         }
         w.varint(esc.size());
         for (int64_t q : esc) {
