@@ -311,6 +311,17 @@ def test_stream_slices_are_checked() -> None:
         pytest.fail(f"a forged slice directory ({what}) decoded")
 
 
+@pytest.mark.parametrize("transform", [5, 1 | 1 << 8, 1 | 0 << 8])
+def test_unknown_transforms_are_refused(transform: int) -> None:
+    """A stats section's transform id that this library does not know (or an anchor/delta group of
+    fewer than 2 tokens) is refused, never decoded as something else."""
+    blob = bytearray(golden_container("balanced"))
+    _, _, off, _ = next(s for s in sections(bytes(blob)) if s[0] == 5)
+    struct.pack_into("<H", blob, off + 2, transform)
+    with pytest.raises(lcg.CorruptDataError, match="transform"):
+        lcg.decode(reseal(blob))
+
+
 def test_golden_bad_containers_fail() -> None:
     blob = (DATA / f"golden-v{GOLDEN_VERSION}-balanced.lcg").read_bytes()
     with pytest.raises(lcg.ChecksumError):

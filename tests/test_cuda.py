@@ -216,6 +216,10 @@ def check_bad_input_never_faults() -> None:
             assert lcg.decode(mutant, device="cuda").to_host() == expected
             outcomes["ok"] += 1
     assert outcomes["error"] > 50, outcomes
+    # anchor/delta decodes on the CPU only: refused, clearly
+    blob = lcg.encode(_state(37, 24, True, "normal"), "balanced", transform="anchor-delta")
+    with pytest.raises(lcg.UnsupportedFormatError, match="anchor/delta"):
+        lcg.decode(blob, device="cuda")
     # a destination too small is refused before anything runs
     small = lcg.DeviceBuffer(10)
     status = lib.lcg_decode_device(blobs[0], len(blobs[0]), ffi.cast("void *", small.ptr), 10, ffi.NULL)

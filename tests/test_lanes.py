@@ -130,6 +130,41 @@ def test_chunks_decode_to_the_whole_containers_state(chunk: int, level: str) -> 
             assert out == state
 
 
+@pytest.mark.parametrize("level", LEVELS[1:])
+def test_anchor_delta_transform(level: str) -> None:
+    """Anchor/delta keeps the error of plain coding (each delta is coded against its anchor as
+    decoded), decodes the same on every path, cuts into chunks at multiples of its group, and is
+    refused where it cannot decode: chunks starting inside a group, the GPU."""
+    for cells, channels, v_trans in [(300, 64, True), (300, 64, False), (37, 24, True)]:
+        state = _state(cells, channels, v_trans, "outliers")
+        values = _last_tensor(state, cells * channels)
+        plain = lcg.encode(state, level)
+        knobs = {"transform": "anchor-delta", "anchor_tokens": 4}
+        blob = lcg.encode(state, level, **knobs)
+        assert blob != plain and lcg.encode(state, level, threads=2, **knobs) == blob
+        err_plain = np.mean((_last_tensor(lcg.decode(plain), cells * channels) - values) ** 2)
+        err = np.mean((_last_tensor(lcg.decode(blob), cells * channels) - values) ** 2)
+        assert err <= 1.05 * err_plain, (err, err_plain)
+        chunker = lcg.codec.Chunker(state, level, **knobs)
+        stats = chunker.stats()
+        sid = hashlib.sha256(stats).digest()
+        opened = lcg.codec.Stats(stats, sid)
+        out = lcg.codec.skeleton_state(lcg.codec.encode_skeleton(state), cells)
+        bounds = [*range(0, cells, 12), cells]
+        for begin, end in zip(bounds, bounds[1:], strict=False):
+            lcg.codec.decode_chunk(chunker.chunk(begin, end, sid), opened, out)
+        assert out == lcg.decode(blob)
+        with pytest.raises(lcg.InvalidArgumentError, match="multiple of 4"):
+            chunker.chunk(2, 8, sid)
+    with pytest.raises(lcg.InvalidArgumentError, match="unknown transform"):
+        lcg.encode(state, level, transform="pca")
+
+
+def _last_tensor(state: bytes, n: int) -> np.ndarray:
+    """The last K/V tensor of a test state (its last n f16 values), as floats."""
+    return np.frombuffer(bytes(state[len(state) - 2 * n :]), np.float16).astype(np.float64)
+
+
 def test_prefix_states_and_splice() -> None:
     state = _state(300, 64, True, "normal")
     skeleton = lcg.codec.encode_skeleton(state)

@@ -73,6 +73,15 @@ typedef enum {
     LCG_LEVEL_COMPACT  = 3  /* KL at most the q4_0 cache's                                       */
 } lcg_level;
 
+/* How a lossy level transforms values before quantizing them. Anchor/delta (CacheGen's token
+ * grouping) codes token t of each group of anchor_tokens as its difference from the group's first
+ * token; it measured larger than none on SmolLM2 at equal error (docs/format.md, "Stats section"),
+ * decodes on the CPU only, and chunks of it must start at multiples of anchor_tokens. */
+typedef enum {
+    LCG_TRANSFORM_NONE         = 0,
+    LCG_TRANSFORM_ANCHOR_DELTA = 1
+} lcg_transform;
+
 /* Which llama.cpp state a buffer holds. */
 typedef enum {
     LCG_KIND_AUTO        = 0, /* detect: only valid as an encode parameter                       */
@@ -114,7 +123,9 @@ typedef struct {
     /* Symbols per stream slice (docs/format.md, "Streams"): a positive multiple of 32, or 0 for
      * 65536. Slices decode independently (CPU threads, one GPU warp each); each costs ~136 bytes. */
     uint32_t slice_elements;
-    uint32_t reserved[7];   /* zero                                                              */
+    int32_t  transform;     /* lcg_transform (lossy levels)                                      */
+    uint32_t anchor_tokens; /* LCG_TRANSFORM_ANCHOR_DELTA: tokens per group, 2..255 (0: 10)       */
+    uint32_t reserved[5];   /* zero                                                              */
 } lcg_encode_params;
 
 /* What lcg_inspect reports about a container, from its header and layout only. */

@@ -75,6 +75,13 @@ EncodeOptions options(const lcg_encode_params * params) {
         LCG_CHECK(opt.knobs.ref_type < 0 || knob_ok(opt.knobs.ref_scale, 1e-6f, 1e6f), LCG_ERR_INVALID_ARGUMENT,
                   "error_scale %g: expected 1e-6..1e6", opt.knobs.ref_scale);
     }
+    LCG_CHECK(p.transform == LCG_TRANSFORM_NONE || p.transform == LCG_TRANSFORM_ANCHOR_DELTA,
+              LCG_ERR_INVALID_ARGUMENT, "unknown transform %d", p.transform);
+    LCG_CHECK(p.anchor_tokens == 0 || (p.anchor_tokens >= 2 && p.anchor_tokens <= 255), LCG_ERR_INVALID_ARGUMENT,
+              "anchor_tokens %u: expected 2..255", p.anchor_tokens);
+    if (p.transform == LCG_TRANSFORM_ANCHOR_DELTA) {
+        opt.knobs.anchor_tokens = p.anchor_tokens ? p.anchor_tokens : 10;
+    }
     opt.slice_elements = p.slice_elements ? p.slice_elements : rans::DEFAULT_SLICE;
     LCG_CHECK(opt.slice_elements % rans::LANES == 0, LCG_ERR_INVALID_ARGUMENT,
               "slice_elements %u: expected a multiple of %u", opt.slice_elements, rans::LANES);

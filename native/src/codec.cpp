@@ -399,6 +399,15 @@ std::unique_ptr<Chunker> chunker_init(const uint8_t * state, size_t size, const 
     ch->n_pos = chunkable_positions(ch->st);
     ch->is_sink = sink_flags(ch->st, opt);
     ch->cell_of_pos = cell_of_position(ch->st);
+    if (opt.level != LCG_LEVEL_LOSSLESS && opt.knobs.anchor_tokens) {  // anchors are cells i % N == 0
+        for (const std::vector<uint32_t> & cells : ch->cell_of_pos) {
+            for (uint32_t p = 0; p < cells.size(); p++) {
+                LCG_CHECK(cells[p] == p, LCG_ERR_UNSUPPORTED_FORMAT,
+                          "anchor/delta chunks need each position in the cell of its index (position %u is in cell "
+                          "%u): encode this state whole, or without the transform", p, cells[p]);
+            }
+        }
+    }
     ch->tensors = prepare_tensors(state, ch->st, opt, ch->is_sink);
     return ch;
 }
@@ -423,6 +432,10 @@ uint8_t * chunker_encode(const Chunker & ch, uint32_t pos_begin, uint32_t pos_en
                          const uint8_t * user_meta, size_t user_meta_size, size_t * out_size) {
     LCG_CHECK(pos_begin < pos_end && pos_end <= ch.n_pos, LCG_ERR_INVALID_ARGUMENT,
               "chunk of positions %u..%u of a %u-position state", pos_begin, pos_end, ch.n_pos);
+    const uint32_t every = ch.opt.level != LCG_LEVEL_LOSSLESS ? ch.opt.knobs.anchor_tokens : 0;
+    LCG_CHECK(every == 0 || pos_begin % every == 0, LCG_ERR_INVALID_ARGUMENT,
+              "chunk of positions %u..%u: with anchor/delta every %u tokens, chunks start at a multiple of %u",
+              pos_begin, pos_end, every, every);
     const auto rows = rows_of(ch.cell_of_pos, pos_begin, pos_end);
     std::vector<TensorDesc> tensors = ch.st.tensors;
     std::vector<std::vector<uint8_t>> coded(tensors.size());

@@ -179,6 +179,8 @@ struct DeviceSink : DecodeSink {
         LCG_CHECK(dst_t.offset + dst_t.bytes() <= dst_capacity && row_cell.size() == obj.n_cells, LCG_ERR_INTERNAL,
                   "tensor %zu does not fit its destination", i);
         const TensorStats & s = dec.stats;
+        LCG_CHECK(s.anchor_tokens == 0, LCG_ERR_UNSUPPORTED_FORMAT,
+                  "tensor %zu is coded with the anchor/delta transform, which decodes on the CPU only", i);
         const DeviceStats::Tensor at = cached ? cached->tensors[i] : put_stats(arena, dec);
         cuda::TensorJob t{};
         t.dst = dst_t.offset;

@@ -101,10 +101,10 @@ QuantKnobs fixed_level_knobs(int32_t level) {
     switch (level) {
         // Tuned on SmolLM2-135M, 2,048 tokens (bench/): a uniform step over layers measured as good
         // as or better than finer shallow layers at equal size, so the presets keep the ramp flat.
-        case LCG_LEVEL_HIGH: return {0.115f, 0.115f, 1.0f, 4, -1, 0.0f};
-        case LCG_LEVEL_BALANCED: return {0.40f, 0.40f, 1.0f, 4, -1, 0.0f};
-        case LCG_LEVEL_COMPACT: return {0.72f, 0.72f, 1.0f, 4, -1, 0.0f};
-        default: return {0.0f, 0.0f, 1.0f, 0, -1, 0.0f};
+        case LCG_LEVEL_HIGH: return {0.115f, 0.115f, 1.0f, 4, -1, 0.0f, 0};
+        case LCG_LEVEL_BALANCED: return {0.40f, 0.40f, 1.0f, 4, -1, 0.0f, 0};
+        case LCG_LEVEL_COMPACT: return {0.72f, 0.72f, 1.0f, 4, -1, 0.0f, 0};
+        default: return {0.0f, 0.0f, 1.0f, 0, -1, 0.0f, 0};
     }
 }
 

@@ -28,6 +28,7 @@ struct QuantKnobs {
     int32_t n_sink_tokens;    // cells with position < this are stored exactly
     int32_t ref_type;         // ggml type (q8_0, q5_1, q4_0) whose error steps match, or -1
     float ref_scale;          // our squared error over the reference's, per tensor
+    uint32_t anchor_tokens;   // anchor/delta transform: rows per group (0: no transform)
 };
 
 // The knobs of a lossy level (LCG_LEVEL_HIGH..COMPACT); lossless gets zeros.

@@ -15,9 +15,11 @@ namespace {
 
 constexpr uint8_t CODING_LOSSLESS = 0;
 constexpr uint8_t CODING_LOSSY = 1;
-// How values are transformed before quantization (docs/format.md, "Stats section"); only the
-// identity exists, other ids are refused so that a newer writer's transform is never misread.
+// How values are transformed before quantization (docs/format.md, "Stats section"): u16 =
+// id | rows per group << 8. Unknown ids are refused, so that a newer writer's transform is never
+// misread.
 constexpr uint16_t TRANSFORM_NONE = 0;
+constexpr uint16_t TRANSFORM_ANCHOR_DELTA = 1;
 constexpr uint32_t MAX_GROUP = 32;
 constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;
 
@@ -129,6 +131,55 @@ double reference_budget(const uint8_t * base, const TensorDesc & t, const QuantK
     return k.ref_scale * err / static_cast<double>(n_rows);
 }
 
+// The value a decoder writes for element (step, shrink, mean, symbol q) of a tensor of `type`.
+float decoded_value(int32_t type, float mean, float step, float shrink, float q) {
+    uint8_t out[4];
+    store_float(out, type, dequant(mean, step, shrink, q));
+    return load_float(out, type);
+}
+
+// Anchor/delta, second pass over one channel group (values cell-major, gn per row): each delta row
+// (not an anchor, not exact) codes its difference from its anchor row as the decoder will have it
+// (decoded, or exact when the anchor is a sink row), so that errors do not add up.
+void code_deltas(const TensorDesc & t, uint32_t every, const float * values, size_t n, uint32_t gn,
+                 const float * mean, const float * inv_step, float step, float shrink,
+                 const std::vector<uint8_t> & is_sink, const std::vector<uint8_t> & skip_deltas, uint8_t * gsym,
+                 std::vector<Escape> & escapes) {
+    std::vector<float> delta(n * gn, 0.0f);
+    std::vector<uint8_t> skip(n);
+    for (size_t i = 0; i < n; i++) {
+        skip[i] = is_sink[i] || !skip_deltas[i];  // the rows the first pass left out, but sinks
+        if (skip[i]) {
+            continue;
+        }
+        const size_t a = i - i % every;
+        for (uint32_t g = 0; g < gn; g++) {
+            const float anchor = is_sink[a] ? values[a * gn + g]
+                                            : decoded_value(t.ggml_type, mean[g], step, shrink,
+                                                            lanes::symbol_q(gsym[a * gn + g]));
+            delta[i * gn + g] = values[i * gn + g] - anchor + mean[g];
+        }
+    }
+    // Escaped anchors decode to their escape value, not symbol 0's: take it from the first pass.
+    for (const Escape & x : escapes) {
+        const size_t a = x.cell;
+        for (size_t i = a + 1; i < std::min(n, a + every); i++) {
+            if (!skip[i]) {
+                const float anchor = decoded_value(t.ggml_type, mean[x.lane], step, shrink, static_cast<float>(x.q));
+                delta[i * gn + x.lane] = values[i * gn + x.lane] - anchor + mean[x.lane];
+            }
+        }
+    }
+    std::vector<uint8_t> dsym(n * gn);
+    ShrinkSum unused;  // the stored offset is the anchors'
+    quantize_rows(delta.data(), n, gn, mean, inv_step, skip.data(), dsym.data(), unused, escapes);
+    for (size_t i = 0; i < n; i++) {
+        if (!skip[i]) {
+            std::memcpy(gsym + i * gn, dsym.data() + i * gn, gn);
+        }
+    }
+}
+
 // Quantizes the whole tensor, group by group; false when a value is not finite. The step of a
 // group is rel x its RMS channel deviation: one step for the group, because equal error in every
 // channel minimizes the group's squared error for its bits (measured: less KL at the same size).
@@ -184,6 +235,14 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     }
     std::vector<uint8_t> gsym(n * s.group);
     std::vector<uint32_t> counts(static_cast<size_t>(s.n_groups) * 256, 0);
+    s.anchor_tokens = k.anchor_tokens;
+    std::vector<uint8_t> skip_deltas;  // anchor/delta: rows the first pass leaves out
+    if (s.anchor_tokens) {
+        skip_deltas.resize(n);
+        for (size_t i = 0; i < n; i++) {
+            skip_deltas[i] = is_sink[i] || i % s.anchor_tokens != 0;
+        }
+    }
     for (uint32_t gi = 0; gi < s.n_groups; gi++) {
         const uint32_t u0 = gi * s.group, gn = std::min(s.group, t.n_units - u0);
         const double step = rel * std::sqrt(group_var[gi]);
@@ -197,12 +256,19 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         }
         std::vector<Escape> escapes;
         ShrinkSum shrink;
-        quantize_rows(&values[n * u0], n, gn, mean, inv_step, is_sink.data(), gsym.data(), shrink, escapes);
+        // Anchor/delta: anchor rows (and all rows without the transform) first.
+        quantize_rows(&values[n * u0], n, gn, mean, inv_step, s.anchor_tokens ? skip_deltas.data() : is_sink.data(),
+                      gsym.data(), shrink, escapes);
         // Values of a bin lie closer to zero than its centre on average (peaked distributions):
-        // the decoder reconstructs |q| - shrink, with the group's measured mean offset.
+        // the decoder reconstructs |q| - shrink, with the group's measured mean offset (anchor
+        // rows' offset under anchor/delta: the deltas are coded against the anchors' decoded values).
         const double mean_shrink =
             shrink.count ? static_cast<double>(shrink.fixed) / 65536.0 / static_cast<double>(shrink.count) : 0.0;
         s.shrink_u8[gi] = static_cast<uint8_t>(std::clamp(std::lround(mean_shrink * 256.0), 0L, 127L));
+        if (s.anchor_tokens) {
+            code_deltas(t, s.anchor_tokens, &values[n * u0], n, gn, mean, inv_step, f16_to_f32(s.step_f16[gi]),
+                        s.shrink_u8[gi] / 256.0f, is_sink, skip_deltas, gsym.data(), escapes);
+        }
         // Four histograms, summed: consecutive equal symbols do not wait on each other's increment.
         uint32_t part[4][256] = {};
         const size_t n_sym = n * gn;
@@ -512,7 +578,7 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
 void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t) {
     w.u8(s.lossy ? CODING_LOSSY : CODING_LOSSLESS);
     w.u8(static_cast<uint8_t>(s.group));
-    w.u16(TRANSFORM_NONE);
+    w.u16(s.anchor_tokens ? static_cast<uint16_t>(TRANSFORM_ANCHOR_DELTA | s.anchor_tokens << 8) : TRANSFORM_NONE);
     if (s.lossy) {
         for (uint32_t gi = 0; gi < s.n_groups; gi++) {
             w.u16(s.step_f16[gi]);
@@ -538,7 +604,10 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & t) {
     const uint16_t transform = r.u16();
     LCG_CHECK(coding <= CODING_LOSSY && (s.group == 8 || s.group == 16 || s.group == 32), LCG_ERR_CORRUPT,
               "tensor statistics: coding %u, group of %u units", coding, s.group);
-    LCG_CHECK(transform == TRANSFORM_NONE, LCG_ERR_CORRUPT, "tensor statistics: unknown transform %u", transform);
+    s.anchor_tokens = transform >> 8;
+    LCG_CHECK(transform == TRANSFORM_NONE || ((transform & 0xff) == TRANSFORM_ANCHOR_DELTA && coding == CODING_LOSSY &&
+                                              s.anchor_tokens >= 2),
+              LCG_ERR_CORRUPT, "tensor statistics: unknown transform %u", transform);
     s.lossy = coding == CODING_LOSSY;
     LCG_CHECK(!s.lossy || ggml_type_info(t.ggml_type)->is_float, LCG_ERR_CORRUPT, "lossy statistics for a %s tensor",
               ggml_type_info(t.ggml_type)->name);
@@ -739,6 +808,25 @@ void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & d
         for (uint32_t u = 0; u < obj.n_units; u++) {
             std::memcpy(base + row_cell[sinks[i]] * ds.cell + u * ds.unit,
                         raw + (static_cast<size_t>(i) * obj.n_units + u) * obj.unit_bytes, obj.unit_bytes);
+        }
+    }
+    // Anchor/delta: a delta row decoded its difference from its anchor row (exact rows stay).
+    if (const uint32_t every = dec.stats.anchor_tokens) {
+        std::vector<uint8_t> exact(obj.n_cells, 0);
+        for (uint32_t row : sinks) {
+            exact[row] = 1;
+        }
+        for (uint32_t row = 0; row < obj.n_cells; row++) {
+            if (row % every == 0 || exact[row]) {
+                continue;
+            }
+            uint8_t * p = base + row_cell[row] * ds.cell;
+            const uint8_t * a = base + row_cell[row - row % every] * ds.cell;
+            for (uint32_t u = 0; u < obj.n_units; u++) {
+                const size_t at = u * ds.unit;
+                store_float(p + at, obj.ggml_type,
+                            load_float(p + at, obj.ggml_type) - dec.mean[u] + load_float(a + at, obj.ggml_type));
+            }
         }
     }
 }

@@ -14,6 +14,9 @@ namespace lcg {
 // How a tensor is coded, shared by every object (whole container or chunk) that codes its rows.
 struct TensorStats {
     bool lossy = false;
+    // Lossy transform (docs/format.md, "Stats section"): with anchor_tokens = N > 0, object row r
+    // with r % N != 0 codes its difference from row r - r % N (CacheGen's anchor/delta grouping).
+    uint32_t anchor_tokens = 0;
     uint32_t group = 8;  // units per frequency table (and per quantizer step)
     uint32_t n_groups = 0;
     // lossy: per unit mean, per group step and reconstruction offset (f16 / u8 as stored)
@@ -38,7 +41,8 @@ struct TensorEncoder {
 
 // Builds the statistics (and, lossy, the symbols) of tensor t of `state`. Lossy with knobs (NULL:
 // lossless) when the tensor is f32/f16/bf16 and its values are finite; cells with is_sink[cell]
-// are kept exact.
+// are kept exact. With knobs->anchor_tokens, state row (cell) i is coded from cell i - i % N: an
+// object decodes the same only when its rows are the state's cells in order from a multiple of N.
 void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnobs * knobs,
                     const std::vector<uint8_t> & is_sink, TensorEncoder & e);
 

@@ -19,6 +19,9 @@ KINDS: dict[str, int] = {
     for name in ("auto", "seq_buffer", "full_buffer", "seq_file", "session")
 }
 KIND_NAMES: dict[int, str] = {v: k for k, v in KINDS.items()}
+TRANSFORMS: dict[str, int] = {
+    name: getattr(lib, f"LCG_TRANSFORM_{name.upper().replace('-', '_')}") for name in ("none", "anchor-delta")
+}
 PARTS: dict[int, str] = {
     getattr(lib, f"LCG_PART_{name.upper()}"): name for name in ("whole", "skeleton", "stats", "chunk")
 }
@@ -69,6 +72,8 @@ def _params(
     sink_tokens: int | None = None,
     error_scale: float | None = None,
     slice_elements: int | None = None,
+    transform: str = "none",
+    anchor_tokens: int | None = None,
 ) -> Any:
     params = ffi.new("lcg_encode_params *", lib.lcg_encode_default_params())
     params.level = _level(level)
@@ -88,6 +93,13 @@ def _params(
         if not 0 < slice_elements < 2**32:
             raise InvalidArgumentError(f"slice_elements {slice_elements}: expected a positive multiple of 32")
         params.slice_elements = slice_elements
+    if transform not in TRANSFORMS:
+        raise InvalidArgumentError(f"unknown transform {transform!r}; expected {' or '.join(TRANSFORMS)}")
+    params.transform = TRANSFORMS[transform]
+    if anchor_tokens is not None:
+        if not 2 <= anchor_tokens <= 255:
+            raise InvalidArgumentError(f"anchor_tokens {anchor_tokens}: expected 2..255")
+        params.anchor_tokens = anchor_tokens
     return params
 
 
@@ -111,6 +123,8 @@ def encode(
     sink_tokens: int | None = None,
     error_scale: float | None = None,
     slice_elements: int | None = None,
+    transform: str = "none",
+    anchor_tokens: int | None = None,
     user_meta: Buffer = b"",
 ) -> bytes:
     """Compresses a llama.cpp state (any supported kind) into a llama-cachegen container.
@@ -119,11 +133,23 @@ def encode(
     error of llama.cpp's reference cache type for the level (q8_0, q5_1, q4_0) on that tensor.
     `k_step`, `v_step` (fixed steps in channel standard deviations), `first_layer_scale` and `sink_tokens`
     override the level's preset; `slice_elements` (a multiple of 32, default 65536) is how many
-    symbols each independently decodable slice of a stream codes; `user_meta` is stored verbatim
-    (checksummed) in the container.
+    symbols each independently decodable slice of a stream codes; `transform="anchor-delta"`
+    codes each token of a group of `anchor_tokens` (default 10) as its difference from the group's
+    first (CacheGen's grouping; CPU decode only); `user_meta` is stored verbatim (checksummed) in
+    the container.
     """
     params = _params(
-        level, threads, kind, k_step, v_step, first_layer_scale, sink_tokens, error_scale, slice_elements
+        level,
+        threads,
+        kind,
+        k_step,
+        v_step,
+        first_layer_scale,
+        sink_tokens,
+        error_scale,
+        slice_elements,
+        transform,
+        anchor_tokens,
     )
     meta = _view(user_meta)
     params.user_meta = meta
