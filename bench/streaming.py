@@ -154,7 +154,7 @@ class Bench:
         lo, hi = RANDOM_BE
         out += [
             ("random", f"seed {s}", Trace.random(lo * be, hi * be, chunk_s / 2, seed=s, duration_s=120))
-            for s in range(a.seeds)
+            for s in range(a.seed_base, a.seed_base + a.seeds)
         ]
         out.append(("drop", "8 BE -> 0.05 BE at 0.2 s", Trace.drop(8 * be, 0.05 * be, 0.2)))
         out.append(("near-zero", "0.01 BE", Trace.constant(0.01 * be)))
@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=768, help="context length")
     parser.add_argument("--chunk-tokens", type=int, default=128)
     parser.add_argument("--seeds", type=int, default=6, help="random traces")
+    parser.add_argument("--seed-base", type=int, default=0, help="first seed (others: unseen traces)")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
     parser.add_argument("--model", type=Path, help="GGUF (default: the bundled SmolLM2-135M)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")

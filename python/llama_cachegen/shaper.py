@@ -121,6 +121,7 @@ class Relay:
         self._cut = False
         self._corrupt_at: int | None = None
         self._corrupt_every: int | None = None
+        self._switch: tuple[int, Trace | None] | None = None  # (at bytes_down, trace; None: cut)
         self._writers: set[asyncio.StreamWriter] = set()
         self.bytes_down = 0
         self.connections = 0
@@ -161,6 +162,11 @@ class Relay:
 
     def heal(self) -> None:
         self._cut = False
+
+    def switch_after(self, after: int, trace: Trace | None) -> None:
+        """Follows `trace` (None: `cut()`) once `after` more bytes have gone down: a change at a
+        point of a transfer, whatever the timing of the loader's threads."""
+        self._call(self._set_switch, after, trace)
 
     def corrupt(self, after: int, every: int | None = None) -> None:
         """Flips one downstream byte `after` bytes from now (and then every `every` bytes)."""
@@ -208,6 +214,18 @@ class Relay:
             writer.transport.abort()
         self._writers.clear()
 
+    def _set_switch(self, after: int, trace: Trace | None) -> None:
+        self._switch = (self.bytes_down + after, trace)
+
+    def _check_switch(self) -> None:
+        if self._switch is not None and self.bytes_down >= self._switch[0]:
+            trace = self._switch[1]
+            self._switch = None
+            if trace is None:
+                self._do_cut()
+            else:
+                self._set_trace(trace)
+
     def _set_corrupt(self, after: int, every: int | None) -> None:
         self._corrupt_at = self.bytes_down + after
         self._corrupt_every = every
@@ -240,6 +258,7 @@ class Relay:
                     if down:
                         self._tamper(piece)
                         self.bytes_down += n
+                        self._check_switch()
                     writer.write(piece)
                     await writer.drain()
                     view = view[n:]

@@ -2,34 +2,37 @@
 
     manifest ─▶ skeleton ─▶ per chunk: level or "text" ─▶ fetch ‖ decode / compute ─▶ one restore
 
-`load_streaming` fetches the chunks of a context saved by `save_chunked` in order, one fetch in
-flight on a background thread while the caller's thread decodes the chunk before it (the native
-decode releases the GIL) or computes it. Per chunk it chooses, when the fetch can start:
+`load_streaming` fetches the chunks of a context saved by `save_chunked`, one fetch in flight on a
+background thread, which starts the next fetch itself when its own ends (the link never waits for
+the caller's thread); the caller's thread decodes what arrived (the native decode releases the
+GIL) or computes text chunks. With `slo_s` and text fallback, the two work from both ends (as
+Cake, arXiv 2410.03065): the link fetches from the last chunk back, llama.cpp computes from the
+first chunk on, and they meet where their speeds put them. Text chunks need only the chunks before
+them, so computing from the front never waits for the link.
 
-- the throughput so far: bytes / wall time of each fetch, smoothed harmonically (a drop shows at
-  once, a recovery over a few chunks); before any chunk arrived, `prior_mbps`, else the first chunk
-  goes at the smallest level stored to measure the link;
-- "text" when even the smallest level would arrive later than llama.cpp computes the chunk
-  (CacheGen's rule), counting the text chunks this thread already has to compute first: a slow
-  link then gets text and fetched chunks in parallel, not every chunk computed in turn. Prefill
-  speed is measured once per model and thread count on a scratch context (`calibrate`), kept for
-  the process, and refined by every chunk computed;
-- else the best level whose predicted time for every chunk left (their sizes from the manifest;
-  sizes it lacks estimated from the other chunks of that level) fits what is left of `slo_s`;
-- when no level fits, text again if the CPU would be done with that chunk (and the chunks it
-  already computes) before the link is done with the rest: computed chunks then overlap fetched
-  ones, which CacheGen's rule leaves unused. Else the smallest level.
+Every fetch decision and every idle moment of the caller's thread re-plans the undecided chunks
+jointly: for each level and each split (the first x undecided chunks computed, the others fetched
+at that level) it predicts the finish from
+- the link: bytes / throughput, the slower of the smoothed and the mean rate of the fetches so far
+  (before any chunk: `prior_mbps`, else the skeleton's fetch, latency-bound and so slow); a fetch
+  in flight past its prediction is expected to be as late again;
+- the CPU: prefill speed measured once per model and thread count (`calibrate`) and refined by
+  every chunk computed, plus each fetched chunk's decode time (measured per level);
+- the final restore (state bytes / _RESTORE_BPS),
+and takes the plan with the lowest token-weighted KL that finishes within _SLO_SHARE of the time
+left, the earliest among equals; when none fits, the earliest. The link fetches its next chunk at
+that plan's level; the CPU computes the front chunk when the plan computes any. When the only
+chunk left is in flight and not due within a piece's compute time, the CPU computes it too, in
+pieces of _PIECE tokens, and stops as soon as the fetch arrives (a race: a stalled link costs at
+most one chunk's compute time, a fast one at most one piece).
 
-A fetch that takes twice as long as computing its chunk (and twice its prediction) is abandoned
-and the chunk computed: a link that stalls without failing costs a few chunks' compute time, not a
-read timeout, and a link that only slows down for a while is waited for. A chunk that fails
-(connection reset, timeout, missing object, bad checksum or tag, an object of another model) is
-fetched once more; if that fails too, the rest is computed from text. A text chunk is computed by
-llama.cpp on top of the chunks before it (restored from the buffer), read back and spliced into
-the buffer; later chunks can still be fetched. The context is touched by text chunks only, and is
-put back as it was if the load fails; it takes the assembled state in one llama.cpp call at the
-end (llama.restore_context), llama-cpp-python's tokens and last logits with it. `slo_s` None: no
-adaptation, the best level stored per chunk (or `level`), text only for failures.
+Without `slo_s` (or with a fixed `level`, or no text fallback) chunks are fetched in order, up to
+_LOOKAHEAD ahead. A chunk that fails (connection reset, timeout, missing object, bad checksum or
+tag, an object of another model) is fetched once more; if that fails too, every chunk not in the
+buffer is computed from text. A text chunk is computed by llama.cpp on top of the chunks before it
+(restored from the buffer unless the context holds them), read back and spliced into the buffer.
+The context is touched by text chunks only, and is put back as it was if the load fails; it takes
+the assembled state in one llama.cpp call at the end (llama.restore_context).
 
 Expected quality: the token-weighted mean of a per-level KL figure (`LEVEL_KL`, measured by
 bench/streaming.py on SmolLM2-135M over a 256-token teacher-forced continuation; "text" and
@@ -41,7 +44,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,8 +83,8 @@ LEVEL_KL: dict[str, float] = {
 _GUESS_RATIO = {"lossless": 0.85, "high": 0.48, "balanced": 0.3, "compact": 0.22}
 _SMOOTHING = 0.3  # weight of the newest throughput sample (and prefill speed)
 _SLO_SHARE = 0.9  # plans fit this share of the time left: estimates are noisy
-_ABANDON_FACTOR = 2.0  # a fetch may take this many times its prediction, or the chunk's compute time
-_RECENT = 3  # throughput samples whose slowest bounds the plans
+_PIECE = 32  # tokens per llama_decode call of a text chunk: a computation can stop between pieces
+_TICK_S = 0.05  # the assembly plans again at least this often while it waits for the link
 _LOOKAHEAD = 2  # chunks decided (fetched or planned as text) ahead of the one being assembled
 _CALIBRATION_TOKENS = 128
 _RESTORE_BPS = 2e9  # llama.cpp's set_data copies about this many state bytes per second
@@ -229,13 +231,21 @@ def _learn_tps(key: tuple[str, int], tps: float) -> None:
 
 class _Job:
     """One chunk fetch on its own daemon thread (a fetch stuck on a dead link is left to finish or
-    fail on its own; the load goes on without it)."""
+    fail on its own; the load goes on without it). `on_done(job)` runs on that thread at the end."""
 
     def __init__(
-        self, reader: chunks._ChunkReader, index: int, level: str, fetch: Callable[[], Any] | None = None
+        self,
+        reader: chunks._ChunkReader,
+        index: int,
+        level: str,
+        fetch: Callable[[], Any] | None = None,
+        *,
+        predicted_s: float = 0.0,
+        on_done: Callable[[_Job], None] | None = None,
     ) -> None:
-        self.index, self.level = index, level
+        self.index, self.level, self.predicted_s = index, level, predicted_s
         self._fetch = fetch or (lambda: reader.fetch(index, (level,)))
+        self._on_done = on_done
         self.result: Any = None
         self.error: BaseException | None = None
         self.bytes = 0
@@ -255,6 +265,8 @@ class _Job:
         self.bytes = self._reader.bytes_read - before
         self.end = time.perf_counter()
         self.done.set()
+        if self._on_done is not None:
+            self._on_done(self)
 
     @property
     def seconds(self) -> float:
@@ -268,7 +280,24 @@ class _Failed(Exception):
     """A chunk could not be fetched or decoded twice: the rest is computed."""
 
 
+class _Stopped(Exception):
+    """A text chunk's computation was given up: its fetch arrived first."""
+
+
+@dataclass
+class _Plan:
+    level: str  # of the fetched chunks
+    text: int  # how many of the undecided chunks, from the front, the CPU computes
+    finish: float  # predicted perf_counter time of a loaded context
+    cost: float  # token-weighted KL of the undecided chunks (text: 0)
+    feasible: bool
+
+
 class _Loader:
+    """Fills the state buffer chunk by chunk (module docstring). All decisions hold `cv`; fetch
+    threads start the next fetch themselves when theirs ends, so the link never waits for the
+    assembly thread (busy computing a text chunk)."""
+
     def __init__(
         self,
         llm: llama_cpp.Llama,
@@ -283,6 +312,8 @@ class _Loader:
         threads: int | None,
         text_ok: bool,
         compute_tps: float | None,
+        tps_given: bool,
+        kl_table: dict[str, float],
         oracle: Callable[[int], float] | None,
         progress: Callable[[ChunkRecord], None] | None,
         t0: float,
@@ -299,14 +330,20 @@ class _Loader:
         self.reader = chunks._ChunkReader(store, fingerprint, self.tokens, c, keys, self.levels)
         self.slo_s, self.level, self.threads = slo_s, level, threads
         self.adapt = slo_s is not None and level is None
+        self.both = self.adapt and text_ok  # the CPU computes from the front while the link fetches
         self.text_ok, self.tps, self.oracle, self.progress = text_ok, compute_tps, oracle, progress
-        self.inv_bw = None if prior_mbps is None else 8 / (prior_mbps * 1e6)  # seconds per byte
+        self.kl = kl_table
+        self.tps_given = tps_given
+        self.prior_inv = None if prior_mbps is None else 8 / (prior_mbps * 1e6)  # seconds per byte
         self.t0 = t0
         n = len(self.ranges)
         self.records = [ChunkRecord(i, b, e) for i, (b, e) in enumerate(self.ranges)]
-        self.plan: list[str | None] = [None] * n
+        self.plan: list[str | None] = [None] * n  # a level (fetched or being fetched), text, or undecided
+        self.done = [False] * n  # in the buffer
         self.jobs: dict[int, _Job] = {}  # started, not yet taken by the assembly
         self.current: _Job | None = None  # the job holding the link (done or not)
+        self.retry: _Job | None = None  # a failed fetch waiting for the assembly to fetch it again
+        self.cv = threading.Condition()
         self.failures: list[str] = []
         self.fallback: str | None = None
         self.decode_s_per_byte: dict[str, float] = {}
@@ -317,7 +354,10 @@ class _Loader:
         self.skeleton = b""
         self.per_token = 0.0  # f16 state bytes per position
         self.skeleton_s = 0.0
-        self.recent_inv_bw: deque[float] = deque(maxlen=_RECENT)
+        self.ewma_inv: float | None = None  # smoothed seconds per byte of the chunk fetches
+        self.sum_bytes, self.sum_s = 0, 0.0  # every chunk fetch so far
+        self.first_inv: float | None = None  # the skeleton's seconds per byte, before any chunk
+        self.cpu_free = 0.0  # when the assembly thread will be done with the text chunk it computes
 
     # -- estimates --
 
@@ -335,19 +375,37 @@ class _Loader:
             return sum(s for s, _ in known) / sum(t for _, t in known) * (e - b)
         return _GUESS_RATIO.get(level, 1.0) * self.per_token * (e - b)
 
+    def _inv(self) -> float | None:
+        """Seconds per byte the plans assume: the slower of the smoothed and the mean rate of the
+        chunk fetches so far (a drop shows at once, a recovery only once it lasts), slower still
+        when the fetch in flight is already late. Before any chunk: the prior, else the
+        skeleton's fetch (a small object: latency makes it an underestimate of the rate)."""
+        if self.sum_bytes:
+            inv = max(self.ewma_inv or 0.0, self.sum_s / self.sum_bytes)
+        elif self.prior_inv is not None:
+            inv = self.prior_inv
+        elif self.first_inv is not None:
+            inv = self.first_inv
+        else:
+            return None
+        job = self.current
+        if job is not None and not job.done.is_set():
+            inv = max(inv, job.seconds / self._size(job.index, job.level))
+        return inv
+
     def _net_s(self, nbytes: float) -> float:
         if self.oracle is not None:
             return self.oracle(int(nbytes))
-        assert self.inv_bw is not None
-        # plans assume the slowest of the last few chunks: on a link whose rate swings, the mean
-        # fills the budget with levels that a slow spell then stretches past the SLO
-        return nbytes * max([self.inv_bw, *self.recent_inv_bw])
+        inv = self._inv()
+        assert inv is not None
+        return nbytes * inv
 
     def _mbps(self) -> float | None:
         if self.oracle is not None:
             probe = 1 << 20
             return probe * 8 / 1e6 / max(self.oracle(probe), 1e-9)
-        return None if self.inv_bw is None else 8 / self.inv_bw / 1e6
+        inv = self._inv()
+        return None if inv is None else 8 / inv / 1e6
 
     def _text_s(self, i: int) -> float:
         b, e = self.ranges[i]
@@ -357,57 +415,110 @@ class _Loader:
     def _sample(self, job: _Job) -> None:
         if job.error is None and job.bytes:
             inv = job.seconds / job.bytes
-            self.inv_bw = inv if self.inv_bw is None else (1 - _SMOOTHING) * self.inv_bw + _SMOOTHING * inv
-            self.recent_inv_bw.append(inv)
+            old = inv if self.ewma_inv is None else self.ewma_inv
+            self.ewma_inv = (1 - _SMOOTHING) * old + _SMOOTHING * inv
+            self.sum_bytes += job.bytes
+            self.sum_s += job.seconds
 
-    def _pending_text_s(self, i: int) -> float:
-        return sum(self._text_s(k) for k in range(i, len(self.plan)) if self.plan[k] == TEXT)
+    def _link_end(self, now: float) -> float:
+        """When the fetch in flight is expected to end (now when the link is free); a late one is
+        expected to be as late again."""
+        job = self.current
+        if job is None or job.done.is_set():
+            return now
+        end = job.start + job.predicted_s
+        return end if end > now else now + (now - end)
 
-    # -- choice --
+    def _decode_s(self, level: str, nbytes: float) -> float:
+        return self.decode_s_per_byte.get(level, 0.0) * nbytes
 
-    def _choose(self, j: int, i: int) -> tuple[str, str]:
-        """(level or text, reason) for chunk j, when chunk i is the next to assemble."""
+    # -- the plan --
+
+    def _undecided(self) -> list[int]:
+        return [k for k, p in enumerate(self.plan) if p is None]
+
+    def _best(self, undecided: list[int], now: float, fetch: bool = False) -> _Plan | None:
+        """The plan for the undecided chunks (the link fetching from the back at one level, the
+        CPU computing from the front) with the lowest KL that finishes within the share of the time
+        left; among those, the one finishing first. None fits: the one finishing first. `fetch`:
+        a plan that fetches at least one chunk."""
+        if not undecided or (self.oracle is None and self._inv() is None):
+            return None
+        assert self.slo_s is not None
+        restore_s = len(self.state or b"") / _RESTORE_BPS
+        deadline = now + _SLO_SHARE * (self.t0 + self.slo_s - now) - restore_s
+        m = len(undecided)
+        cpu_free = max(now, self.cpu_free) + sum(
+            self._decode_s(j.level, self._size(j.index, j.level)) for j in self.jobs.values()
+        )
+        link_free = self._link_end(now)
+        cpu = [0.0]
+        for k in undecided if self.both else ():
+            cpu.append(cpu[-1] + self._text_s(k))
+        tokens = [self.ranges[k][1] - self.ranges[k][0] for k in undecided]
+        texts = range(m + (not fetch)) if self.both else range(1)
+        best: _Plan | None = None
+        for level in self.levels[undecided[-1]]:
+            sizes = [self._size(k, level) for k in undecided]
+            tail, tail_tokens = [0.0] * (m + 1), [0] * (m + 1)
+            for x in range(m - 1, -1, -1):
+                tail[x], tail_tokens[x] = tail[x + 1] + sizes[x], tail_tokens[x + 1] + tokens[x]
+            for x in texts:
+                link = now if x == m else link_free + self._net_s(tail[x]) + self._decode_s(level, sizes[x])
+                finish = max(cpu_free + cpu[x] + self._decode_s(level, tail[x]), link)
+                cost = self.kl.get(level, math.inf) * tail_tokens[x]
+                plan = _Plan(level, x, finish, cost, finish <= deadline)
+                if best is None or _better(plan, best):
+                    best = plan
+        return best
+
+    def _choose(self, j: int, now: float) -> tuple[str, str] | None:
+        """(level, reason) for the fetch of chunk j; None: the CPU computes every undecided chunk."""
         levels = self.levels[j]
-        if self.fallback is not None:
-            return TEXT, "failed"
         if not self.adapt:
             return levels[0], "fixed" if self.level else "best"
-        if self.inv_bw is None and self.oracle is None:
+        plan = self._best(self._undecided(), now)
+        if plan is None:  # no estimate at all: measure the link
             return levels[-1], "first"
-        smallest = levels[-1]
-        cpu_s = self._pending_text_s(i)  # the text chunks this thread computes before chunk j
-        if self.text_ok and cpu_s + self._text_s(j) < self._net_s(self._size(j, smallest)):
-            return TEXT, "slow link"
-        assert self.slo_s is not None
-        undecided = [k for k in range(j, len(self.plan)) if self.plan[k] is None]
-        restore_s = len(self.state or b"") / _RESTORE_BPS
-        budget = _SLO_SHARE * (self.slo_s - (time.perf_counter() - self.t0)) - restore_s
-        for level in levels:
-            if not all(level in self.levels[k] for k in undecided):
-                continue
-            net = self._net_s(sum(self._size(k, level) for k in undecided))
-            tail = self.decode_s_per_byte.get(level, 0.0) * self._size(undecided[-1], level)
-            if max(net, cpu_s) + tail <= budget:
-                return level, "best" if level == levels[0] else "budget"
-        if self.text_ok:
-            net_all = self._net_s(sum(self._size(k, smallest) for k in undecided))
-            if cpu_s + self._text_s(j) < net_all:
-                return TEXT, "offload"
-        return smallest, "smallest"
+        if plan.text == len(self._undecided()):
+            # the CPU alone would do: fetch the last chunk anyway, at the level that serves best
+            # if it arrives first (a free link also measures itself)
+            plan = self._best(self._undecided(), now, fetch=True)
+            assert plan is not None
+        if not self.sum_bytes and self.prior_inv is None and self.oracle is None:
+            reason = "first"  # chosen on the skeleton's fetch alone
+        elif not plan.feasible:
+            reason = "fastest"
+        else:
+            reason = "best" if plan.level == levels[0] else "budget"
+        return plan.level, reason
 
-    def _feed(self, i: int) -> None:
-        """Decides chunks from the first undecided on while the link is free, up to _LOOKAHEAD
-        ahead of chunk i; starts the fetch of the first one that is not text."""
-        while True:
-            j = next((k for k, p in enumerate(self.plan) if p is None), None)
-            if j is None or j > i + _LOOKAHEAD or self._link_busy():
+    # -- the link --
+
+    def _feed(self) -> None:
+        """Starts the next fetch if the link is free (holds cv): the front's chunk in order (up to
+        _LOOKAHEAD ahead of the assembly), or with the CPU computing from the front, the last."""
+        if self.fallback is not None or self.retry is not None or self._link_busy():
+            return
+        undecided = self._undecided()
+        if not undecided:
+            return
+        if self.both:
+            j = undecided[-1]
+        else:
+            j = undecided[0]
+            front = next((k for k, d in enumerate(self.done) if not d), len(self.done))
+            if j > front + _LOOKAHEAD:
                 return
-            choice, reason = self._choose(j, i)
-            self.plan[j] = choice
-            rec = self.records[j]
-            rec.level, rec.reason, rec.mbps = choice, reason, self._mbps()
-            if choice != TEXT:
-                self._start(j, choice)
+        now = time.perf_counter()
+        choice = self._choose(j, now)
+        if choice is None:
+            return
+        level, reason = choice
+        self.plan[j] = level
+        rec = self.records[j]
+        rec.level, rec.reason, rec.mbps = level, reason, self._mbps()
+        self._start(j, level, now)
 
     def _link_busy(self) -> bool:
         job = self.current
@@ -415,102 +526,166 @@ class _Loader:
             return job is not None
         if job.abandoned:  # it finished after all: what it measured still counts
             self._sample(job)
-            self.current = None
+        self.current = None
         return False
 
-    def _start(self, j: int, level: str) -> None:
-        job = _Job(self.reader, j, level)
+    def _start(self, j: int, level: str, now: float) -> None:
+        predicted = self._net_s(self._size(j, level)) if (self.oracle or self._inv()) else 0.0
+        job = _Job(self.reader, j, level, predicted_s=predicted, on_done=self._fetched)
         self.jobs[j] = job
         self.current = job
 
-    # -- assembly --
+    def _fetched(self, job: _Job) -> None:
+        """On the fetch thread: measure, start the next fetch, wake the assembly."""
+        with self.cv:
+            if not job.abandoned:
+                self._sample(job)
+                if job.error is not None:
+                    self.retry = job
+                else:
+                    self._feed()
+            self.cv.notify_all()
 
-    def _deadline(self, job: _Job) -> float | None:
-        if not (self.adapt and self.text_ok):
-            return None  # the store's own timeouts apply
-        text_s = self._text_s(job.index)
-        if self.inv_bw is not None or self.oracle is not None:
-            text_s = max(text_s, self._net_s(self._size(job.index, job.level)))
-        return job.start + _ABANDON_FACTOR * text_s
+    # -- the assembly --
 
-    def _wait(self, job: _Job) -> bool:
-        """Waits for `job` until its deadline; False when it was abandoned."""
-        deadline = self._deadline(job)
-        timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
-        if job.done.wait(timeout):
-            return True
-        job.abandoned = True
-        self.inv_bw = max(self.inv_bw or 0.0, job.seconds / self._size(job.index, job.level))
-        return False
+    def _next_action(self, now: float) -> tuple[str, Any] | None:
+        """What the assembly thread does next (holds cv): take a fetched chunk, compute a chunk,
+        compute one whose fetch is in flight (a race), or None: wait."""
+        arrived = [j for j in self.jobs.values() if j.done.is_set()]
+        if arrived:
+            return "take", min(arrived, key=lambda j: j.index)
+        front = next((k for k, d in enumerate(self.done) if not d), None)
+        if front is None:
+            return None
+        if self.plan[front] == TEXT:
+            return "compute", None
+        if not self.both:
+            return None
+        if self.plan[front] is None:
+            plan = self._best(self._undecided(), now)
+            if plan is not None and plan.text >= 1:
+                self._claim(front, "parallel")
+                return "compute", None
+            return None
+        job = self.jobs.get(front)
+        if job is None or self._undecided():
+            return None
+        # the last chunk left is in flight: compute it unless it is due within one piece's time
+        piece_s = min(_PIECE, self.ranges[front][1] - self.ranges[front][0]) / (self.tps or 1.0)
+        if self._link_end(now) - now > piece_s:
+            return "race", job
+        return None
 
-    def _wait_idle(self) -> bool:
-        """Lets the job holding the link finish before a retry; False when it stalled (abandoned,
-        its chunk planned as text)."""
-        job = self.current
-        if job is None or job.done.is_set():
-            return not self._link_busy()
-        if self._wait(job):
-            return True
-        self._to_text(job.index, "stalled")
-        return False
-
-    def _to_text(self, i: int, reason: str) -> None:
+    def _claim(self, i: int, reason: str) -> None:
         self.plan[i] = TEXT
-        self.records[i].level, self.records[i].reason = TEXT, reason
-        self.jobs.pop(i, None)
+        rec = self.records[i]
+        rec.level, rec.reason, rec.mbps = TEXT, reason, self._mbps()
+
+    def _wait_s(self, now: float) -> float:
+        """How long to wait for the link before planning again: until the fetch in flight is due,
+        at least _TICK_S, at most a piece's compute time."""
+        due = self._link_end(now) - now
+        return min(max(due, _TICK_S), _PIECE / (self.tps or 1.0) if self.both else 1.0)
+
+    def _fill(self) -> None:
+        """Chunks into the buffer until every one is there."""
+        n = len(self.ranges)
+        while True:
+            with self.cv:
+                if all(self.done):
+                    return
+                self._feed()
+                now = time.perf_counter()
+                action = self._next_action(now)
+                if action is None:
+                    if self.current is None and not self.jobs and not self.both:
+                        raise CacheGenError("the stream has nothing to fetch or compute")  # a bug
+                    self.cv.wait(self._wait_s(now))
+                    continue
+                kind, job = action
+            if kind == "take":
+                self._take(job)
+                continue
+            i = job.index if kind == "race" else next(k for k in range(n) if not self.done[k])
+            try:
+                self._compute(i, job)
+            except _Stopped:
+                continue  # its fetch arrived: taken next round
+            with self.cv:
+                if job is not None:  # won the race against its own fetch
+                    job.abandoned = True
+                    self.jobs.pop(i, None)
+                    self.records[i].fetch_ms = job.seconds * 1e3
+                    self._claim(i, "raced")
+                self.done[i] = True
+            self._report(i)
+
+    def _report(self, i: int) -> None:
+        if self.progress is not None:
+            self.progress(self.records[i])
+
+    def _take(self, job: _Job) -> None:
+        """A finished fetch into the buffer; a failure is fetched once more, a second one makes
+        the rest text (_Failed)."""
+        i, rec = job.index, self.records[job.index]
+        assert self.state is not None
+        with self.cv:
+            self.jobs.pop(i, None)
+        rec.bytes += job.bytes
+        rec.fetch_ms = job.seconds * 1e3
+        rec.fetch_at_ms = (job.start - self.t0) * 1e3
+        error = job.error
+        if error is None:
+            start = time.perf_counter()
+            rec.decode_at_ms = (start - self.t0) * 1e3
+            try:
+                codec.decode_chunk(job.result.chunk, job.result.stats, self.state, threads=self.threads)
+            except CacheGenError as exc:
+                error = exc
+            rec.decode_ms = (time.perf_counter() - start) * 1e3
+            if error is None:
+                with self.cv:
+                    self.decode_s_per_byte[job.level] = rec.decode_ms / 1e3 / max(1, len(job.result.chunk))
+                    self.done[i] = True
+                self._report(i)
+                return
+            self._fail(i, job.level, error, "did not decode")
+        else:
+            self._fail(i, job.level, error, "could not be fetched")
+        with self.cv:
+            if self.retry is job:
+                self.retry = None
+            if isinstance(error, (CacheGenError, OSError)) and not rec.retries:
+                rec.retries += 1
+                self._link_busy()
+                self._start(i, job.level, time.perf_counter())
+                return
+            if not self.text_ok:
+                raise error
+            self.fallback = f"{self.failures[-1]}; chunks from {i} on not in the buffer computed from text"
+            for k, d in enumerate(self.done):
+                if not d:
+                    self._claim(k, "failed")
+                    stale = self.jobs.pop(k, None)
+                    if stale is not None:
+                        stale.abandoned = True
 
     def _fail(self, i: int, level: str, exc: BaseException, what: str) -> None:
         self.failures.append(f"chunk {i} ({level}) {what}: {type(exc).__name__}: {exc}")
 
-    def _fetch_and_decode(self, i: int) -> None:
-        """Chunk i from the store into the buffer, fetched once more if that fails; a fetch that
-        stalls makes it a text chunk; two failures raise _Failed."""
-        rec = self.records[i]
-        level = self.plan[i]
-        assert level is not None and level != TEXT and self.state is not None
-        while True:
-            job = self.jobs[i]
-            if not self._wait(job):
-                rec.fetch_ms = job.seconds * 1e3
-                self._to_text(i, "stalled")
-                return
-            self.jobs.pop(i)
-            self._sample(job)
-            rec.bytes += job.bytes
-            rec.fetch_ms = job.seconds * 1e3
-            rec.fetch_at_ms = (job.start - self.t0) * 1e3
-            error: BaseException | None = job.error
-            if error is None:
-                assert job.result is not None
-                self._feed(i)  # the link is free: the next fetch runs while this chunk decodes
-                start = time.perf_counter()
-                rec.decode_at_ms = (start - self.t0) * 1e3
-                try:
-                    codec.decode_chunk(job.result.chunk, job.result.stats, self.state, threads=self.threads)
-                except CacheGenError as exc:
-                    error = exc
-                rec.decode_ms = (time.perf_counter() - start) * 1e3
-                if error is None:
-                    self.decode_s_per_byte[level] = rec.decode_ms / 1e3 / max(1, len(job.result.chunk))
-                    return
-                self._fail(i, level, error, "did not decode")
-            else:
-                self._fail(i, level, error, "could not be fetched")
-            if not isinstance(error, (CacheGenError, OSError)) or rec.retries:
-                raise _Failed(self.failures[-1]) from error
-            rec.retries += 1
-            if not self._wait_idle():
-                self._to_text(i, "stalled")  # the link holds a stalled fetch: no retry behind it
-                return
-            self._start(i, level)
-
-    def _compute(self, i: int) -> None:
-        """Chunk i computed by llama.cpp on top of the buffer's chunks 0..i-1, spliced in."""
+    def _compute(self, i: int, race: _Job | None = None) -> None:
+        """Chunk i computed by llama.cpp on top of the buffer's chunks 0..i-1, spliced in, in
+        pieces of _PIECE tokens; with `race`, given up (_Stopped) as soon as that fetch of the
+        chunk has arrived."""
         assert self.state is not None
         rec = self.records[i]
         b, e = rec.begin, rec.end
         start = time.perf_counter()
-        rec.decode_at_ms = (start - self.t0) * 1e3
+        if self.tps:
+            with self.cv:
+                self.cpu_free = start + self._text_s(i)
+        if rec.decode_at_ms is None:
+            rec.decode_at_ms = (start - self.t0) * 1e3
         if self.backup is None:
             self.backup = (self._capture(),)
         memory = llama_cpp.llama_get_memory(self.llm.ctx)
@@ -523,14 +698,23 @@ class _Loader:
                 codec.splice(before, self.state, 0, b)
                 if not restore_state(self.llm, before, self.target):
                     raise ModelMismatchError("llama.cpp refused the state of the chunks before a text chunk")
-        self.held = -1
+            self.held = b
         llama_cpp.llama_memory_seq_rm(memory, seq, b, -1)
-        _decode_tokens(self.llm.ctx, self.tokens[b:e], b, seq, int(self.llm.n_batch))
+        for p in range(b, e, _PIECE):
+            if race is not None and race.done.is_set() and race.error is None:
+                llama_cpp.llama_memory_seq_rm(memory, seq, b, -1)
+                rec.compute_ms += (time.perf_counter() - start) * 1e3
+                raise _Stopped
+            self.held = -1
+            _decode_tokens(self.llm.ctx, self.tokens[p : min(e, p + _PIECE)], p, seq, int(self.llm.n_batch))
         codec.splice(self.state, capture_state(self.llm, self.target), b, e)
         self.held = e
         seconds = time.perf_counter() - start
-        rec.compute_ms = seconds * 1e3
+        rec.compute_ms += seconds * 1e3
         _learn_tps(self.tps_key, (e - b) / seconds)
+        if not self.tps_given:
+            with self.cv:
+                self.tps = _tps_cache.get(self.tps_key, self.tps)
 
     def _capture(self) -> bytes | None:
         try:
@@ -540,6 +724,8 @@ class _Loader:
 
     def rollback(self) -> None:
         """Puts the context back as it was before the first text chunk."""
+        with self.cv:
+            self.fallback = self.fallback or "the load failed"  # no more fetches
         if self.backup is None:
             return
         (saved,) = self.backup
@@ -559,27 +745,7 @@ class _Loader:
         bound = chunks._state_bound(self.reader.fingerprint, n, self.skeleton)
         self.state = codec.skeleton_state(self.skeleton, n, max_size=bound)
         self.per_token = len(self.state) / n
-        for i in range(len(self.ranges)):
-            self._feed(i)
-            if self.plan[i] is None:  # the link is held by a stalled fetch
-                self.plan[i] = TEXT
-                self.records[i].level, self.records[i].reason = TEXT, "stalled"
-                self.records[i].mbps = self._mbps()
-            if self.plan[i] != TEXT:
-                try:
-                    self._fetch_and_decode(i)
-                except _Failed as exc:
-                    if not self.text_ok:
-                        raise exc.__cause__ or exc from None
-                    self.fallback = f"{exc}; chunks {i}.. computed from text"
-                    for k in range(i, len(self.plan)):
-                        self._to_text(k, "failed")
-            if self.plan[i] == TEXT:
-                if not self.text_ok:
-                    raise CacheGenError(f"chunk {i} stalled and text fallback is off")
-                self._compute(i)
-            if self.progress is not None:
-                self.progress(self.records[i])
+        self._fill()
         return True
 
     def _skeleton(self) -> bytes | None:
@@ -600,7 +766,9 @@ class _Loader:
                 self.fallback = "the skeleton did not arrive: every chunk computed from text"
                 return None
             self.current = None
-            if job.error is None:  # no throughput sample: a small object measures latency
+            if job.error is None:
+                if job.bytes:
+                    self.first_inv = job.seconds / job.bytes
                 return job.result
             exc = job.error
             self.failures.append(f"skeleton could not be fetched: {type(exc).__name__}: {exc}")
@@ -624,6 +792,15 @@ class _Loader:
             rec.compute_ms = (time.perf_counter() - start) * 1e3
             if self.progress is not None:
                 self.progress(rec)
+
+
+def _better(a: _Plan, b: _Plan) -> bool:
+    """Feasible first; then the lowest KL, the earliest, the least computed; else the earliest."""
+    if a.feasible != b.feasible:
+        return a.feasible
+    if a.feasible:
+        return (a.cost, a.finish, a.text) < (b.cost, b.finish, b.text)
+    return (a.finish, a.cost) < (b.finish, b.cost)
 
 
 def load_streaming(
@@ -661,6 +838,7 @@ def load_streaming(
     table = dict(LEVEL_KL if kl_table is None else kl_table)
     store_url, key = chunks.split_manifest_url(url)
     calibrate_s = 0.0
+    tps_given = compute_tps is not None
     if compute_tps is None and slo_s is not None and text_fallback:
         start = time.perf_counter()
         compute_tps = calibrate(llm)
@@ -694,6 +872,8 @@ def load_streaming(
             threads=threads,
             text_ok=text_fallback,
             compute_tps=compute_tps,
+            tps_given=tps_given,
+            kl_table=table,
             oracle=oracle,
             progress=progress,
             t0=t0,
