@@ -598,8 +598,13 @@ class _Loader:
                 now = time.perf_counter()
                 action = self._next_action(now)
                 if action is None:
-                    if self.current is None and not self.jobs and not self.both:
-                        raise CacheGenError("the stream has nothing to fetch or compute")  # a bug
+                    if self.current is None and not self.jobs and self.retry is None:
+                        # Nothing in flight: no fetch will wake this thread, and waiting changes
+                        # nothing but the clock. The front chunk is computed instead.
+                        if not self.text_ok:
+                            raise CacheGenError("the stream has nothing to fetch and may not compute text")
+                        self._claim(next(k for k in range(n) if not self.done[k]), "stalled")
+                        continue
                     self.cv.wait(self._wait_s(now))
                     continue
                 kind, job = action
