@@ -19,8 +19,9 @@ at that level) it predicts the finish from
 - the CPU: prefill speed measured once per model and thread count (`calibrate`) and refined by
   every chunk computed, plus each fetched chunk's decode time (measured per level);
 - the final restore (state bytes / _RESTORE_BPS),
-and takes the plan with the lowest token-weighted KL that finishes within _SLO_SHARE of the time
-left, the earliest among equals; when none fits, the earliest. The link fetches its next chunk at
+and takes the plan with the lowest token-weighted KL that finishes within a share of the time
+left (_SLO_SHARE, less on a link whose rate has varied between chunks: `_share`), the earliest
+among equals; when none fits, the earliest. The link fetches its next chunk at
 that plan's level; the CPU computes the front chunk when the plan computes any. When the only
 chunk left is in flight and not due within a piece's compute time, the CPU computes it too, in
 pieces of _PIECE tokens, and stops as soon as the fetch arrives (a race: a stalled link costs at
@@ -83,6 +84,11 @@ LEVEL_KL: dict[str, float] = {
 _GUESS_RATIO = {"lossless": 0.85, "high": 0.48, "balanced": 0.3, "compact": 0.22}
 _SMOOTHING = 0.3  # weight of the newest throughput sample (and prefill speed)
 _SLO_SHARE = 0.9  # plans fit this share of the time left: estimates are noisy
+# ... divided by 1 + _SPREAD_Z x the spread (coefficient of variation) of the chunk fetches'
+# seconds per byte: a link whose rate jumps between chunks leaves room for a slow stretch, a steady
+# one does not (with one sample or none, _PRIOR_SPREAD stands in).
+_SPREAD_Z = 1.0
+_PRIOR_SPREAD = 0.25
 _PIECE = 32  # tokens per llama_decode call of a text chunk: a computation can stop between pieces
 _TICK_S = 0.05  # the assembly plans again at least this often while it waits for the link
 _LOOKAHEAD = 2  # chunks decided (fetched or planned as text) ahead of the one being assembled
@@ -356,6 +362,7 @@ class _Loader:
         self.skeleton_s = 0.0
         self.ewma_inv: float | None = None  # smoothed seconds per byte of the chunk fetches
         self.sum_bytes, self.sum_s = 0, 0.0  # every chunk fetch so far
+        self.invs: list[float] = []  # each chunk fetch's seconds per byte
         self.first_inv: float | None = None  # the skeleton's seconds per byte, before any chunk
         self.cpu_free = 0.0  # when the assembly thread will be done with the text chunk it computes
 
@@ -419,6 +426,7 @@ class _Loader:
             self.ewma_inv = (1 - _SMOOTHING) * old + _SMOOTHING * inv
             self.sum_bytes += job.bytes
             self.sum_s += job.seconds
+            self.invs.append(inv)
 
     def _link_end(self, now: float) -> float:
         """When the fetch in flight is expected to end (now when the link is free); a late one is
@@ -428,6 +436,15 @@ class _Loader:
             return now
         end = job.start + job.predicted_s
         return end if end > now else now + (now - end)
+
+    def _share(self) -> float:
+        """The share of the time left a plan may take (oracle: _SLO_SHARE)."""
+        if self.oracle is not None:
+            return _SLO_SHARE
+        spread = _PRIOR_SPREAD
+        if len(self.invs) >= 2:
+            spread = float(np.std(self.invs) / np.mean(self.invs))
+        return _SLO_SHARE / (1.0 + _SPREAD_Z * spread)
 
     def _decode_s(self, level: str, nbytes: float) -> float:
         return self.decode_s_per_byte.get(level, 0.0) * nbytes
@@ -446,7 +463,7 @@ class _Loader:
             return None
         assert self.slo_s is not None
         restore_s = len(self.state or b"") / _RESTORE_BPS
-        deadline = now + _SLO_SHARE * (self.t0 + self.slo_s - now) - restore_s
+        deadline = now + self._share() * (self.t0 + self.slo_s - now) - restore_s
         m = len(undecided)
         cpu_free = max(now, self.cpu_free) + sum(
             self._decode_s(j.level, self._size(j.index, j.level)) for j in self.jobs.values()
@@ -562,6 +579,8 @@ class _Loader:
         if not self.both:
             return None
         if self.plan[front] is None:
+            if self._measuring(now):
+                return None
             plan = self._best(self._undecided(), now)
             if plan is not None and plan.text >= 1:
                 self._claim(front, "parallel")
@@ -575,6 +594,15 @@ class _Loader:
         if self._link_end(now) - now > piece_s:
             return "race", job
         return None
+
+    def _measuring(self, now: float) -> bool:
+        """Whether the first chunk fetch is in flight and not yet late: the rate the skeleton's
+        small fetch suggests is latency-bound, too slow on a fast link, so the CPU does not commit
+        to a text chunk on it alone (a chunk's compute is the largest step it takes)."""
+        if self.sum_bytes or self.prior_inv is not None or self.oracle is not None:
+            return False
+        job = self.current
+        return job is not None and not job.done.is_set() and now < job.start + job.predicted_s
 
     def _claim(self, i: int, reason: str) -> None:
         self.plan[i] = TEXT
