@@ -86,8 +86,6 @@ public:
     void varint(uint64_t v);
 };
 
-inline uint64_t zigzag_encode(int64_t v) { return (static_cast<uint64_t>(v) << 1) ^ static_cast<uint64_t>(v >> 63); }
-inline int64_t zigzag_decode(uint64_t v) { return static_cast<int64_t>(v >> 1) ^ -static_cast<int64_t>(v & 1); }
 
 // CRC32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
 uint32_t crc32c(const void * data, size_t size, uint32_t crc = 0);

@@ -13,7 +13,6 @@ namespace lcg {
 namespace {
 
 constexpr const char * BACKEND_FILE = "libllama_cachegen_cuda.so";
-constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;  // as tensor_codec.cpp's decoder
 constexpr size_t MSG = 512;
 
 thread_local DeviceTiming last_timing;
@@ -248,10 +247,7 @@ struct DeviceSink : DecodeSink {
             LCG_CHECK(n_escapes == declared, LCG_ERR_CORRUPT, "tensor declares %llu escapes, its slices %llu",
                       (unsigned long long) n_escapes, (unsigned long long) declared);
             for (uint64_t e = 0; e < n_escapes; e++) {
-                const int64_t q = zigzag_decode(r.varint());
-                LCG_CHECK(q >= -MAX_ESCAPE_Q && q <= MAX_ESCAPE_Q, LCG_ERR_CORRUPT, "escaped value %lld",
-                          (long long) q);
-                escape_q.push_back(static_cast<float>(q));  // as the CPU: static_cast<float>(q)
+                escape_q.push_back(static_cast<float>(read_escape(r)));  // as the CPU decoder
             }
         } else {
             uint64_t tables = at.tables;

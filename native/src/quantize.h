@@ -93,6 +93,24 @@ struct Escape {
     int64_t q;
 };
 
+// An escaped value (docs/format.md, "Tensor section"): |q| >= 128, since smaller ones have a
+// symbol; stored as varint((|q| - 128) << 1 | sign), one byte up to |q| = 191.
+constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;
+inline uint64_t escape_code(int64_t q) {
+    const uint64_t magnitude = static_cast<uint64_t>(q < 0 ? -q : q);
+    LCG_CHECK(magnitude >= 128 && q >= -MAX_ESCAPE_Q && q <= MAX_ESCAPE_Q, LCG_ERR_INTERNAL, "escape of %lld",
+              static_cast<long long>(q));
+    return (magnitude - 128) << 1 | (q < 0 ? 1u : 0u);
+}
+// Reads one; LCG_ERR_CORRUPT past MAX_ESCAPE_Q.
+inline int64_t read_escape(ByteReader & r) {
+    const uint64_t code = r.varint();
+    LCG_CHECK(code >> 1 <= static_cast<uint64_t>(MAX_ESCAPE_Q - 128), LCG_ERR_CORRUPT, "escaped value code %llu",
+              static_cast<unsigned long long>(code));
+    const int64_t magnitude = static_cast<int64_t>(code >> 1) + 128;
+    return code & 1 ? -magnitude : magnitude;
+}
+
 // What quantize_rows measured for the reconstruction offset: sum over q != 0 of |q| - |r| in
 // 1/65536 steps (an integer, so that every code path and thread order gives the same sum).
 struct ShrinkSum {

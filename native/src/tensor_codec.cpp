@@ -21,7 +21,6 @@ constexpr uint8_t CODING_LOSSY = 1;
 constexpr uint16_t TRANSFORM_NONE = 0;
 constexpr uint16_t TRANSFORM_ANCHOR_DELTA = 1;
 constexpr uint32_t MAX_GROUP = 32;
-constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;
 
 // Units per table: the fewest, from 8 up to 32, whose table covers ~16K symbols of the whole
 // state, so that tables stay near 1% of the coded size. A multiple of 8: an AVX2 vector of 8
@@ -537,9 +536,7 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     LCG_CHECK(n_escapes == esc.size(), LCG_ERR_CORRUPT, "tensor declares %llu escapes, its symbols %zu",
               (unsigned long long) n_escapes, esc.size());
     for (uint64_t k_esc : esc) {
-        const int64_t q = zigzag_decode(r.varint());
-        LCG_CHECK(q >= -MAX_ESCAPE_Q && q <= MAX_ESCAPE_Q, LCG_ERR_CORRUPT, "escaped value %lld", (long long) q);
-        store_value(d, row_unit(obj, k_esc), static_cast<float>(q));
+        store_value(d, row_unit(obj, k_esc), static_cast<float>(read_escape(r)));
     }
 }
 
@@ -747,7 +744,7 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
         }
         w.varint(esc.size());
         for (int64_t q : esc) {
-            w.varint(zigzag_encode(q));
+            w.varint(escape_code(q));
         }
         return;
     }
