@@ -414,6 +414,77 @@ const PermTable perm_table;
 // read the same table, so the output is the same.
 const bool use_gather = std::getenv("LCG_SCALAR_LOADS") == nullptr;
 
+// One step of 8 lanes (x) with decode slots `slots`: the state update and the renormalisation
+// from ptr (8 words may be read, popcount(need) are taken: the caller leaves 64 bytes of room);
+// returns the symbols.
+template <bool GATHER>
+__attribute__((target("avx2,f16c"), always_inline)) inline __m256i lanes8_step(__m256i & x, const uint32_t * slots,
+                                                                          const uint8_t *& ptr) {
+    const __m256i slot = _mm256_and_si256(x, _mm256_set1_epi32(rans::PROB_SCALE - 1));
+    __m256i e;
+    if (GATHER) {
+        e = _mm256_i32gather_epi32(reinterpret_cast<const int *>(slots), slot, 4);
+    } else {  // eight scalar loads: faster than the gather instruction on some CPUs
+        alignas(32) uint32_t at[8];
+        _mm256_store_si256(reinterpret_cast<__m256i *>(at), slot);
+        e = _mm256_setr_epi32(slots[at[0]], slots[at[1]], slots[at[2]], slots[at[3]], slots[at[4]], slots[at[5]],
+                              slots[at[6]], slots[at[7]]);
+    }
+    const __m256i freq = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 8), _mm256_set1_epi32(0xfff)),
+                                          _mm256_set1_epi32(1));
+    __m256i xv = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x, rans::PROB_BITS)),
+                                  _mm256_srli_epi32(e, 20));
+    const __m256i need = _mm256_cmpgt_epi32(_mm256_set1_epi32(rans::STATE_LOW), xv);
+    // Branch-free: whether a vector needs words is close to a coin flip at low rates.
+    const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(ptr)));
+    const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i *>(perm_table.idx[mask]));
+    const __m256i w = _mm256_permutevar8x32_epi32(words, idx);
+    x = _mm256_blendv_epi8(xv, _mm256_or_si256(_mm256_slli_epi32(xv, 16), w), need);
+    ptr += 2 * __builtin_popcount(mask);
+    return _mm256_and_si256(e, _mm256_set1_epi32(0xff));
+}
+
+// Symbols [k0, k1) of a slice (k0 a multiple of 32) into out[k - k0], when 8 consecutive elements
+// share a table (n_inner % 8 == 0); `slots` holds the plane's tables, unit u uses table u / group.
+// Returns the element reached (a multiple of 32), as decode_lossy_f16_avx2.
+template <bool GATHER>
+__attribute__((target("avx2,f16c"))) size_t decode_symbols_avx2(rans::Cursor & c, const TensorDesc & t,
+                                                            const uint32_t * slots, uint32_t group, size_t k0,
+                                                            size_t k1, uint8_t * out) {
+    __m256i x[4];
+    for (int v = 0; v < 4; v++) {
+        x[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c.x + 8 * v));
+    }
+    // byte 0 of each 32-bit lane to the front of its 128-bit half, then the two halves together
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12,
+                                          -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i join = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
+    const size_t n_i = n_inner(t);
+    size_t o = k0 / n_i, i = k0 % n_i;  // of the next vector's first element
+    size_t k = k0;
+    const size_t n_full = k0 + (k1 - k0) / rans::LANES * rans::LANES;
+    const uint8_t * ptr = c.ptr;  // a local: stores to the destination cannot alias it
+    while (k < n_full && c.end - ptr >= 2 * static_cast<ptrdiff_t>(rans::LANES)) {
+        for (int v = 0; v < 4; v++) {
+            const size_t unit = t.transposed ? o : i;
+            if ((i += 8) == n_i) {
+                i = 0;
+                o++;
+            }
+            const __m256i s = lanes8_step<GATHER>(x[v], slots + unit / group * rans::PROB_SCALE, ptr);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(s, pick), join);
+            _mm_storel_epi64(reinterpret_cast<__m128i *>(out + (k - k0) + 8 * v), _mm256_castsi256_si128(bytes));
+        }
+        k += rans::LANES;
+    }
+    c.ptr = ptr;
+    for (int v = 0; v < 4; v++) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(c.x + 8 * v), x[v]);
+    }
+    return k;
+}
+
 // Elements [k0, k1) of a slice (k0 a multiple of 32) into f16 destination rows at consecutive
 // cells from row_cell[0]; 8 consecutive elements of the object share a row (units % 8 == 0) or a
 // unit (transposed, cells % 8 == 0). Returns the element reached: a multiple of 32, where the
@@ -428,8 +499,6 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
     for (int v = 0; v < 4; v++) {
         x[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(c.x + 8 * v));
     }
-    const __m256i mask12 = _mm256_set1_epi32(rans::PROB_SCALE - 1), mask8 = _mm256_set1_epi32(0xff);
-    const __m256i one = _mm256_set1_epi32(1), low = _mm256_set1_epi32(rans::STATE_LOW);
     const __m256i sym_zero = _mm256_set1_epi32(SYM_ZERO), zero = _mm256_setzero_si256();
     const __m256 sign = _mm256_set1_ps(-0.0f);
     // row and unit of the next vector's first element
@@ -437,7 +506,8 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
     uint32_t unit = static_cast<uint32_t>(t.transposed ? k0 / t.n_cells : k0 % t.n_units);
     size_t k = k0;
     const size_t n_full = k0 + (k1 - k0) / rans::LANES * rans::LANES;
-    while (k < n_full && c.end - c.ptr >= 2 * static_cast<ptrdiff_t>(rans::LANES)) {
+    const uint8_t * ptr = c.ptr;  // a local: stores to the destination cannot alias it
+    while (k < n_full && c.end - ptr >= 2 * static_cast<ptrdiff_t>(rans::LANES)) {
         for (int v = 0; v < 4; v++) {
             const uint32_t gi = unit / d.group;
             __m256 mean;
@@ -457,29 +527,7 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
                     row++;
                 }
             }
-            const uint32_t * slots = d.slots + gi * rans::PROB_SCALE;
-            __m256i e;
-            if (GATHER) {
-                e = _mm256_i32gather_epi32(reinterpret_cast<const int *>(slots), _mm256_and_si256(x[v], mask12), 4);
-            } else {  // eight scalar loads: faster than the gather instruction on some CPUs
-                alignas(32) uint32_t slot[8];
-                _mm256_store_si256(reinterpret_cast<__m256i *>(slot), _mm256_and_si256(x[v], mask12));
-                e = _mm256_setr_epi32(slots[slot[0]], slots[slot[1]], slots[slot[2]], slots[slot[3]], slots[slot[4]],
-                                      slots[slot[5]], slots[slot[6]], slots[slot[7]]);
-            }
-            const __m256i s = _mm256_and_si256(e, mask8);
-            const __m256i freq = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(e, 8), _mm256_set1_epi32(0xfff)), one);
-            __m256i xv = _mm256_add_epi32(_mm256_mullo_epi32(freq, _mm256_srli_epi32(x[v], rans::PROB_BITS)),
-                                          _mm256_srli_epi32(e, 20));
-            const __m256i need = _mm256_cmpgt_epi32(low, xv);
-            // Branch-free: whether a vector needs words is close to a coin flip at low rates.
-            const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(need));
-            const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(c.ptr)));
-            const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i *>(perm_table.idx[mask]));
-            const __m256i w = _mm256_permutevar8x32_epi32(words, idx);
-            xv = _mm256_blendv_epi8(xv, _mm256_or_si256(_mm256_slli_epi32(xv, 16), w), need);
-            c.ptr += 2 * __builtin_popcount(mask);
-            x[v] = xv;
+            const __m256i s = lanes8_step<GATHER>(x[v], d.slots + gi * rans::PROB_SCALE, ptr);
             const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(s, sym_zero));
             const __m256 nonzero = _mm256_cmp_ps(q, _mm256_setzero_ps(), _CMP_NEQ_OQ);
             const __m256 sh = _mm256_and_ps(nonzero, _mm256_or_ps(_mm256_and_ps(q, sign), _mm256_set1_ps(d.shrink[gi])));
@@ -493,6 +541,7 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
         }
         k += rans::LANES;
     }
+    c.ptr = ptr;
     for (int v = 0; v < 4; v++) {
         _mm256_storeu_si256(reinterpret_cast<__m256i *>(c.x + 8 * v), x[v]);
     }
@@ -545,26 +594,47 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
     const TensorStats & s = dec.stats;
     const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
     const Strides ds(dst);
-    auto at = [&](RowUnit ru) { return base + row_cell[ru.row] * ds.cell + ru.unit * ds.unit; };
+    const size_t n_i = n_inner(obj);
+    // Bytes of plane b of elements [k0, k1) (memory order) into their places.
+    auto put_plane = [&](uint32_t b, const uint8_t * bytes, size_t k0, size_t k1) {
+        size_t o = k0 / n_i, i = k0 % n_i;
+        for (size_t k = k0; k < k1; k++) {
+            const RowUnit ru = row_unit(obj, o, i);
+            base[row_cell[ru.row] * ds.cell + ru.unit * ds.unit + b] = bytes[k - k0];
+            if (++i == n_i) {
+                i = 0;
+                o++;
+            }
+        }
+    };
+    bool vector_ok = false;
+#if defined(__x86_64__)
+    vector_ok = cpu_has_avx2 && n_i % 8 == 0;
+#endif
     const uint32_t * slots = dec.slots.data();
+    std::vector<uint8_t> symbols;
     for (uint32_t b = 0; b < obj.unit_bytes; b++) {
         if (s.plane_stored[b]) {
-            const uint8_t * raw = r.take(n);
-            for (size_t o = 0, k = 0; o < n_outer(obj); o++) {
-                for (size_t i = 0; i < n_inner(obj); i++, k++) {
-                    at(row_unit(obj, o, i))[b] = raw[k];
-                }
-            }
+            put_plane(b, r.take(n), 0, n);
             continue;
         }
         const uint32_t stream_bytes = r.u32();
         for (const rans::Slice & sl : rans::read_slices(r.take(stream_bytes), stream_bytes, n, false)) {
             rans::Cursor c = rans::open_stream(sl.data, sl.bytes);
+            symbols.resize(sl.k1 - sl.k0);
+            size_t k = sl.k0;
+#if defined(__x86_64__)
+            if (vector_ok) {
+                k = use_gather ? decode_symbols_avx2<true>(c, obj, slots, s.group, k, sl.k1, symbols.data())
+                               : decode_symbols_avx2<false>(c, obj, slots, s.group, k, sl.k1, symbols.data());
+            }
+#endif
             rans::decode_stream(
-                c, sl.k0, sl.k1, n_inner(obj),
+                c, k, sl.k1, n_i,
                 [&](size_t o, size_t i) { return slots + (row_unit(obj, o, i).unit / s.group) * rans::PROB_SCALE; },
-                [&](size_t o, size_t i, uint8_t v) { at(row_unit(obj, o, i))[b] = v; });
+                [&](size_t o, size_t i, uint8_t v) { symbols[o * n_i + i - sl.k0] = v; });
             rans::close_stream(c);
+            put_plane(b, symbols.data(), sl.k0, sl.k1);
         }
         slots += static_cast<size_t>(s.n_groups) * rans::PROB_SCALE;
     }
