@@ -160,6 +160,20 @@ def test_anchor_delta_transform(level: str) -> None:
         lcg.encode(state, level, transform="pca")
 
 
+def test_anchor_delta_on_f32_keeps_the_error() -> None:
+    """The post-pass rounds to the tensor's own type: an f32 cache keeps plain coding's error."""
+    rng = np.random.default_rng(3)
+    state = seq_buffer(kv_cache_bytes(rng, n_embd=64, cells_per_stream=(90,), v_trans=True, dtype="f32"))
+    values = np.frombuffer(state[len(state) - 4 * 90 * 64 :], np.float32).astype(np.float64)
+
+    def err(blob: bytes) -> float:
+        out = lcg.decode(blob)
+        return float(np.mean((np.frombuffer(out[len(out) - 4 * 90 * 64 :], np.float32) - values) ** 2))
+
+    plain = err(lcg.encode(state, "balanced"))
+    assert 0 < err(lcg.encode(state, "balanced", transform="anchor-delta", anchor_tokens=5)) <= 1.05 * plain
+
+
 def _last_tensor(state: bytes, n: int) -> np.ndarray:
     """The last K/V tensor of a test state (its last n f16 values), as floats."""
     return np.frombuffer(bytes(state[len(state) - 2 * n :]), np.float16).astype(np.float64)
