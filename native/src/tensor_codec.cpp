@@ -316,8 +316,12 @@ void prepare_lossless(const uint8_t * base, const TensorDesc & t, TensorEncoder 
     for (uint32_t b = 0; b < t.unit_bytes; b++) {
         std::vector<uint32_t> counts(static_cast<size_t>(s.n_groups) * 256, 0);
         for (size_t i = 0; i < t.n_cells; i++) {
-            for (uint32_t u = 0; u < t.n_units; u++) {
-                counts[(u / s.group) * 256 + base[i * st.cell + u * st.unit + b]]++;
+            const uint8_t * cell = base + i * st.cell + b;
+            for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+                uint32_t * c = &counts[static_cast<size_t>(gi) * 256];
+                for (uint32_t u = gi * s.group; u < std::min(t.n_units, (gi + 1) * s.group); u++) {
+                    c[cell[u * st.unit]]++;
+                }
             }
         }
         std::vector<rans::Table> tables(s.n_groups);
@@ -820,7 +824,19 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     }
     const rans::EncTable * enc = e.enc.data();
     for (uint32_t b = 0; b < t.unit_bytes; b++) {
-        gather([&](uint32_t cell, uint32_t unit) { return base[cell * st.cell + unit * st.unit + b]; });
+        for (size_t o = 0, k = 0; o < n_outer(obj); o++) {  // byte b of each element, memory order
+            if (t.transposed) {  // outer = unit
+                const uint8_t * unit = base + o * st.unit + b;
+                for (size_t i = 0; i < n_inner(obj); i++) {
+                    sym[k++] = unit[cells[i] * st.cell];
+                }
+            } else {
+                const uint8_t * row = base + cells[o] * st.cell + b;
+                for (size_t i = 0; i < n_inner(obj); i++) {
+                    sym[k++] = row[i * st.unit];
+                }
+            }
+        }
         if (s.plane_stored[b]) {
             w.put(sym.data(), n);
         } else {
