@@ -70,7 +70,11 @@ def codec_speed(cfg: Config, state: bytes) -> list[SpeedRow]:
 
 # Decoder paths, chosen when the library loads (environment): AVX2 with the gather instruction (the
 # default), AVX2 with scalar table loads, and the scalar reference.
-PATHS = {"avx2 gather": {}, "avx2 scalar loads": {"LCG_SCALAR_LOADS": "1"}, "scalar": {"LCG_NO_SIMD": "1"}}
+PATHS = {
+    "avx2 gather": {"LCG_GATHER": "1"},
+    "avx2 scalar loads": {"LCG_SCALAR_LOADS": "1"},
+    "scalar": {"LCG_NO_SIMD": "1"},
+}
 _PATH_SCRIPT = """
 import sys, time, llama_cachegen as l
 state = open(sys.argv[1], 'rb').read()
