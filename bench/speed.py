@@ -148,3 +148,37 @@ def scaling(cfg: Config, longest_state: bytes) -> list[ScalingRow]:
 def loglog_slope(xs: list[float], ys: list[float]) -> float:
     """Exponent b of the fit y = a * x^b: 1 means linear."""
     return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+
+
+def main() -> int:
+    """The codec speed table alone: `python bench/speed.py [--tokens 2048] [--model M.gguf]` (the
+    full bench, bench/run.py, prints the same table in its report)."""
+    import argparse
+    from pathlib import Path
+
+    from llama_cachegen import quality
+    from llama_cachegen.model import default_model_path, sample_text
+    from report import table
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--model", type=Path, default=None)
+    args = ap.parse_args()
+    cfg = Config.make(False, args.model or default_model_path(), Path("."))
+    llm = quality.make_llama(cfg.model, n_ctx=args.tokens + 8, logits_all=False)
+    tokens = llm.tokenize(sample_text(cfg.texts[0]).encode(), add_bos=True)[: args.tokens]
+    state = quality.state_of(llm, tokens)
+    del llm
+    rows = codec_speed(cfg, state) + decode_paths(cfg, state)
+    print(f"f16 state of {args.tokens} tokens ({cfg.texts[0]}), {len(state) / 1e6:.1f} MB")
+    print(
+        table(
+            ["method", "threads", "ratio", "encode MB/s", "decode MB/s"],
+            [(s.method, s.threads, s.state_bytes / s.size, s.encode_mbps, s.decode_mbps) for s in rows],
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
