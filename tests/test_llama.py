@@ -217,6 +217,25 @@ def test_llama_cpp_refusal_puts_the_context_back(source_blob: bytes) -> None:
     _assert_mismatch_leaves_context(llm, forged, ModelMismatchError, "put back as it was")
 
 
+def test_anchor_delta_save_loads_and_continues(saved: dict[str, Any], tmp_path: Path) -> None:
+    """A whole container with the anchor/delta transform loads through load_compressed_state and
+    continues the text within balanced's bounds; chunked saves refuse the transform."""
+    llm = _llama(logits_all=True)
+    llm.eval(saved["prefix"])
+    path = tmp_path / "ad.lcg"
+    llm.save_compressed_state(path, level="balanced", transform="anchor-delta")
+    with pytest.raises(InvalidArgumentError, match="one whole container"):
+        llm.save_compressed_state(tmp_path / "chunked", transform="anchor-delta")
+    other = _llama(logits_all=True)
+    other.load_compressed_state(path.as_uri())
+    assert other.n_tokens == PREFIX
+    other.eval(saved["cont"])
+    logits = np.array(other.scores[PREFIX : PREFIX + CONT - 1])  # from the reconstructed KV cache
+    metrics = compare_logits(saved["ref"][1:], logits, saved["cont"])
+    max_kl, min_top1 = BOUNDS["balanced"]
+    assert metrics["kl"] <= max_kl and metrics["top1"] >= min_top1, metrics
+
+
 def test_save_to_bytes_and_report(saved: dict[str, Any], tmp_path: Path) -> None:
     llm = _llama()
     report = llm.load_compressed_state((saved["dir"] / "balanced.lcg").as_uri())

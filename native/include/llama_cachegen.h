@@ -120,8 +120,9 @@ typedef struct {
     /* Opaque bytes stored (checksummed) in the container, e.g. the caller's model fingerprint.  */
     const void * user_meta;
     size_t       user_meta_size; /* at most LCG_MAX_USER_META                                    */
-    /* Symbols per stream slice (docs/format.md, "Streams"): a positive multiple of 32, or 0 for
-     * 65536. Slices decode independently (CPU threads, one GPU warp each); each costs ~136 bytes. */
+    /* Symbols per stream slice (docs/format.md, "Streams"): a positive multiple of 32 up to 2^24, or
+     * 0 for 65536. Slices decode independently (CPU threads, one GPU warp each); each costs ~136
+     * bytes. */
     uint32_t slice_elements;
     int32_t  transform;     /* lcg_transform (lossy levels)                                      */
     uint32_t anchor_tokens; /* LCG_TRANSFORM_ANCHOR_DELTA: tokens per group, 2..255 (0: 10)       */

@@ -79,12 +79,14 @@ EncodeOptions options(const lcg_encode_params * params) {
               LCG_ERR_INVALID_ARGUMENT, "unknown transform %d", p.transform);
     LCG_CHECK(p.anchor_tokens == 0 || (p.anchor_tokens >= 2 && p.anchor_tokens <= 255), LCG_ERR_INVALID_ARGUMENT,
               "anchor_tokens %u: expected 2..255", p.anchor_tokens);
+    LCG_CHECK(p.anchor_tokens == 0 || p.transform == LCG_TRANSFORM_ANCHOR_DELTA, LCG_ERR_INVALID_ARGUMENT,
+              "anchor_tokens %u without the anchor/delta transform", p.anchor_tokens);
     if (p.transform == LCG_TRANSFORM_ANCHOR_DELTA) {
         opt.knobs.anchor_tokens = p.anchor_tokens ? p.anchor_tokens : 10;
     }
     opt.slice_elements = p.slice_elements ? p.slice_elements : rans::DEFAULT_SLICE;
-    LCG_CHECK(opt.slice_elements % rans::LANES == 0, LCG_ERR_INVALID_ARGUMENT,
-              "slice_elements %u: expected a multiple of %u", opt.slice_elements, rans::LANES);
+    LCG_CHECK(opt.slice_elements % rans::LANES == 0 && opt.slice_elements <= rans::MAX_SLICE, LCG_ERR_INVALID_ARGUMENT,
+              "slice_elements %u: expected a multiple of %u up to %u", opt.slice_elements, rans::LANES, rans::MAX_SLICE);
     opt.user_meta = static_cast<const uint8_t *>(p.user_meta);
     opt.user_meta_size = p.user_meta_size;
     return opt;

@@ -175,6 +175,7 @@ void encode_stream(const SymbolMatrix & m, uint32_t slice_elements, int counted_
     for (size_t s = 0; s < slices.size(); s++) {
         const size_t k0 = s * slice_elements, k1 = std::min(n, k0 + slice_elements);
         encode_slice(m, k0, k1, slices[s]);
+        LCG_CHECK(slices[s].buf.size() <= UINT32_MAX, LCG_ERR_LIMIT, "a slice of %zu bytes", slices[s].buf.size());
         w.u32(static_cast<uint32_t>(slices[s].buf.size()));
         if (counted_symbol >= 0) {  // a rare symbol (escapes): memchr skips to each
             uint32_t count = 0;

@@ -75,11 +75,13 @@ void build_decode_slots(const Table & t, uint32_t * slots);
 // where the caller keeps one, a count of its own (lossy: the slice's escape symbols), so that a
 // decoder can start every slice at once (CPU threads, one GPU warp per slice).
 constexpr uint32_t DEFAULT_SLICE = 65536;
+constexpr uint32_t MAX_SLICE = 1u << 24;  // a slice's bytes stay far below 4 GiB
 constexpr size_t MIN_SLICE_BYTES = STATE_BYTES;
 
 // The symbols of an n_outer x n_inner matrix in memory order (symbol k = outer * n_inner +
 // inner) and the table of each unit: unit = outer when unit_is_outer (transposed V), else inner.
-// Every symbol must have nonzero frequency in its table.
+// Every symbol must have nonzero frequency in its table. Units 8u..8u+7 must share one table (the
+// AVX2 encoder looks up one per 8 elements): tables cover groups of 8, 16 or 32 units.
 struct SymbolMatrix {
     const uint8_t * sym;
     size_t n_outer, n_inner;

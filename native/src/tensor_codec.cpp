@@ -790,6 +790,8 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
         // Lossy slices count their escape symbols in the stream's directory.
         rans::encode_stream({sym.data(), n_outer(obj), n_inner(obj), t.transposed, unit_table.data()},
                             slice_elements, s.lossy ? SYM_ESCAPE : -1, stream);
+        LCG_CHECK(stream.buf.size() <= UINT32_MAX, LCG_ERR_LIMIT, "a stream of %zu bytes (at most 4 GiB per tensor)",
+                  stream.buf.size());
         w.u32(static_cast<uint32_t>(stream.buf.size()));
         w.put(stream.buf.data(), stream.buf.size());
     };

@@ -293,18 +293,20 @@ def save_compressed_state(
     seq_id: int | None = None,
     tokens: Sequence[int] | None = None,
     threads: int | None = None,
+    transform: str = "none",
 ) -> str | bytes:
     """Captures, encodes and writes the state of `llm` (every sequence, or `seq_id`).
 
     `dest` is a path or a store object URL (`file://`, `redis://`, `http://`); None returns the
     container bytes. The token ids default to llama-cpp-python's own (for seq_id None or 0); pass
-    `tokens` for a sequence filled by other means. Returns where the state went.
+    `tokens` for a sequence filled by other means. `transform` as `llama_cachegen.encode`'s.
+    Returns where the state went.
     """
     _seq_id_ok(llm, seq_id)
     state = capture_state(llm, seq_id)
     meta = capture_meta(llm, seq_id, tokens)
     kind = "full_buffer" if seq_id is None else "seq_buffer"
-    blob = codec.encode(state, level, threads=threads, kind=kind, user_meta=meta.pack())
+    blob = codec.encode(state, level, threads=threads, kind=kind, transform=transform, user_meta=meta.pack())
     return blob if dest is None else write_url(dest, blob)
 
 
@@ -460,16 +462,24 @@ class Llama(llama_cpp.Llama):
         level: str | int | None = None,
         seq_id: int | None = None,
         tokens: Sequence[int] | None = None,
+        transform: str = "none",
     ) -> str | bytes:
         """Saves in chunks under the manifest URL `dest` (see `llama_cachegen.save_chunked`;
         `levels` default high, balanced, compact). With `level`, `chunk_tokens=None` or no `dest`:
         one whole container at `level` (default balanced; see `llama_cachegen.save_compressed_state`,
-        no `dest` returns its bytes). Returns where the state went."""
+        no `dest` returns its bytes); only those take `transform="anchor-delta"`. Returns where the
+        state went."""
         if dest is None or level is not None or chunk_tokens is None:
             if levels is not None:
                 raise InvalidArgumentError("levels= saves in chunks: pass a dest, and no level=")
             whole = "balanced" if level is None else level
-            return save_compressed_state(self, dest, level=whole, seq_id=seq_id, tokens=tokens)
+            return save_compressed_state(
+                self, dest, level=whole, seq_id=seq_id, tokens=tokens, transform=transform
+            )
+        if transform != "none":
+            raise InvalidArgumentError(
+                f"transform={transform!r} saves one whole container: pass level= or chunk_tokens=None"
+            )
         from .chunks import DEFAULT_LEVELS, save_chunked
 
         chosen = DEFAULT_LEVELS if levels is None else levels
