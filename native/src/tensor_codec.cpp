@@ -342,6 +342,17 @@ void prepare_lossless(const uint8_t * base, const TensorDesc & t, TensorEncoder 
 
 // ---- decoding, lossy --------------------------------------------------------------------------
 
+// Asks for a lossy tensor's decode slots ahead, line by line: a chunk decodes few rows per table,
+// and its random lookups would otherwise miss on every line of tables another tensor evicted
+// (measured on SmolLM2, balanced: 256-token chunks 609 -> 868 MB/s, a whole state 1.66 -> 1.85
+// GB/s; lossless, with its larger plane tables, lost 10% and does without).
+void prefetch_tables(const std::vector<uint32_t> & slots) {
+    const char * p = reinterpret_cast<const char *>(slots.data());
+    for (size_t at = 0; at < slots.size() * sizeof(uint32_t); at += 64) {
+        __builtin_prefetch(p + at, 0, 2);
+    }
+}
+
 // Where object element k goes and how it is rebuilt.
 struct LossyDst {
     const TensorDesc * obj;
@@ -572,6 +583,7 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     vector_ok = cpu_has_avx2 && contiguous && obj.ggml_type == GGML_F16 &&
                 (obj.transposed ? obj.n_cells % 8 == 0 : obj.n_units % 8 == 0);
 #endif
+    prefetch_tables(dec.slots);
     std::vector<uint64_t> esc;
     for (const rans::Slice & sl : slices) {
         rans::Cursor c = rans::open_stream(sl.data, sl.bytes);
