@@ -24,14 +24,9 @@ Writes sharing.md and sharing.json into --out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -43,26 +38,12 @@ from typing import Any
 from common import log, require
 from llama_cachegen.model import default_model_path, sample_text
 from llama_cachegen.proxy import RESTORED_HEADER, STATS_PATH
-from llama_cachegen.server import llama_server_path
+from llama_cachegen.server import Processes, http_status, llama_server_path
 
 TEXTS = ("gpl-3.0.txt", "gfdl-1.3.txt", "difflib.py.txt")
 Q_A = "\n\nQuestion: Who publishes this text?\nAnswer:"
 Q_B = " In one sentence, the text above says that"  # differs from Q_A at its first token
 SLO_S = 60.0  # generous: the adaptive loader may take the best level
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 600.0) -> tuple[dict[str, Any], dict[str, str]]:
@@ -73,63 +54,8 @@ def _post(url: str, body: dict[str, Any], timeout: float = 600.0) -> tuple[dict[
         return json.loads(r.read()), dict(r.headers)
 
 
-class Processes:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.procs: list[subprocess.Popen] = []
-
-    def _start(self, name: str, argv: list[str], health: str) -> None:
-        log_file = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 - kept for the process
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            require(proc.poll() is None, f"{name} exited with {proc.returncode}; see {self.root / name}.log")
-            with contextlib.suppress(OSError):
-                if _get(health, 2.0)[0] == 200:
-                    return
-            time.sleep(0.1)
-        raise TimeoutError(f"{name} not ready")
-
-    def server(self, name: str, binary: Path, n_ctx: int) -> tuple[str, Path]:
-        slot_dir = self.root / f"slots-{name}"
-        slot_dir.mkdir()
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        self._start(
-            f"server-{name}",
-            [str(binary), "-m", str(default_model_path()), "-c", str(n_ctx), "-np", "1", "-t", "1",
-             "-b", "512", "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(slot_dir),
-             "--cache-ram", "0", "--no-warmup"],
-            url + "/health",
-        )  # fmt: skip
-        return url, slot_dir
-
-    def proxy(self, name: str, server: str, slot_dir: Path, store: str, chunk: int, *extra: str) -> str:
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        self._start(
-            f"proxy-{name}",
-            [sys.executable, "-m", "llama_cachegen", "proxy", "--server", server, "--slot-dir", str(slot_dir),
-             "--store", store, "--listen", f"127.0.0.1:{port}", "--chunk-tokens", str(chunk),
-             "--threads", "2", *extra],
-            url + "/health",
-        )  # fmt: skip
-        return url
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
-
-
 def _stats(proxy: str) -> dict[str, Any]:
-    return json.loads(_get(proxy + STATS_PATH)[1])
+    return json.loads(http_status(proxy + STATS_PATH)[1])
 
 
 def _wait_idle(proxy: str, timeout: float = 300.0) -> dict[str, Any]:
@@ -187,14 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         procs = Processes(root)
         try:
             log("starting two llama-servers and four proxies")
-            a_server, a_slots = procs.server("a", binary, n_ctx)
-            b_server, b_slots = procs.server("b", binary, n_ctx)
+            a_server, a_slots = procs.llama_server("a", binary, n_ctx)
+            b_server, b_slots = procs.llama_server("b", binary, n_ctx)
             c = args.chunk_tokens
-            a_proxy = procs.proxy("a", a_server, a_slots, store, c, "--levels", "lossless", "balanced")
+            settings = ("--chunk-tokens", str(c), "--threads", "2")
+            levels = ("--levels", "lossless", "balanced")
+            a_proxy = procs.proxy("a", a_server, a_slots, store, *settings, *levels)
             options = {"lossless": ("--load-level", "lossless"), "balanced": ("--load-level", "balanced"),
                        "adaptive": ("--slo", str(SLO_S))}  # fmt: skip
             b_proxies = {
-                f"proxy {name}": procs.proxy(f"b-{name}", b_server, b_slots, store, c, *extra)
+                f"proxy {name}": procs.proxy(f"b-{name}", b_server, b_slots, store, *settings, *extra)
                 for name, extra in options.items()
             }
             text = "\n\n".join(sample_text(name) for name in TEXTS)

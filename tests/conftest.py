@@ -18,14 +18,9 @@ import numpy as np
 import pytest
 from llama_cachegen import quality
 from llama_cachegen.model import default_model_path, sample_text
+from llama_cachegen.server import free_port
 
 IO_MAGIC = 0xAF143CD8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> None:

@@ -3,7 +3,6 @@ llama-cpp-python's llama.cpp), a proxy before each, one redis-server as the shar
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import signal
@@ -21,10 +20,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import free_port
 from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import CorruptDataError
-from llama_cachegen.model import default_model_path, sample_text
+from llama_cachegen.model import sample_text
 from llama_cachegen.proxy import (
     RESTORED_HEADER,
     STATS_PATH,
@@ -34,6 +32,7 @@ from llama_cachegen.proxy import (
     seq_buffer_to_slot_file,
     slot_file_to_seq_buffer,
 )
+from llama_cachegen.server import Processes, free_port, http_status
 
 CHUNK = 128
 N_CTX = 2048
@@ -101,36 +100,6 @@ def _env_without_token() -> dict[str, str]:
 # ---- processes ----------------------------------------------------------------------------------
 
 
-def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
-        with contextlib.suppress(OSError):
-            if _get(url, 2.0)[0] == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def llama_server() -> Path:
     from llama_cachegen.errors import CacheGenError
@@ -153,46 +122,19 @@ class Node:
     slot_dir: Path
 
 
-class Cluster:
-    """Processes started for one test module; all stopped at the end."""
+class Cluster(Processes):
+    """The module's llama-servers and proxies (llama_cachegen.server.Processes), its settings."""
 
     def __init__(self, binary: Path, root: Path) -> None:
-        self.binary, self.root = binary, root
-        self.procs: list[subprocess.Popen] = []
+        super().__init__(root)
+        self.binary = binary
 
     def server(self, name: str) -> tuple[str, Path]:
-        slot_dir = self.root / f"slots-{name}"
-        slot_dir.mkdir()
-        port = free_port()
-        log = open(self.root / f"server-{name}.log", "wb")  # noqa: SIM115 - kept for the process
-        proc = subprocess.Popen(
-            [str(self.binary), "-m", str(default_model_path()), "-c", str(N_CTX), "-np", "1", "-t", "1",
-             "-b", "512", "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(slot_dir),
-             "--cache-ram", "0", "--no-warmup"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        self.procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(url + "/health", proc)
-        return url, slot_dir
+        return self.llama_server(name, self.binary, N_CTX)
 
-    def proxy(self, server: str, slot_dir: Path, store: str, *extra: str) -> str:
-        port = free_port()
-        log = open(self.root / f"proxy-{port}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cachegen", "proxy", "--server", server, "--slot-dir", str(slot_dir),
-             "--store", store, "--listen", f"127.0.0.1:{port}", "--levels", "lossless",
-             "--chunk-tokens", str(CHUNK), "--threads", "2", *extra],
-            stdout=log, stderr=subprocess.STDOUT, env=_env_without_token(),
-        )  # fmt: skip
-        self.procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(url + "/health", proc)
-        return url
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            _stop(proc)
+    def proxy_of(self, server: str, slot_dir: Path, store: str, *extra: str) -> str:
+        settings = ("--levels", "lossless", "--chunk-tokens", str(CHUNK), "--threads", "2", *extra)
+        return self.proxy(str(len(self.procs)), server, slot_dir, store, *settings, env=_env_without_token())
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +152,7 @@ def nodes(cluster: Cluster, redis_url: str) -> tuple[Node, Node]:
     out = []
     for name in ("a", "b"):
         server, slot_dir = cluster.server(name)
-        out.append(Node(server, cluster.proxy(server, slot_dir, store), slot_dir))
+        out.append(Node(server, cluster.proxy_of(server, slot_dir, store), slot_dir))
     return out[0], out[1]
 
 
@@ -223,7 +165,7 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[dict[
 
 
 def _stats(proxy: str) -> dict[str, Any]:
-    return json.loads(_get(proxy + STATS_PATH)[1])
+    return json.loads(http_status(proxy + STATS_PATH)[1])
 
 
 def _wait_uploads(proxy: str, uploads: int, timeout: float = 90.0) -> dict[str, Any]:
@@ -291,9 +233,9 @@ def test_unstored_prefix_passes_through(nodes: tuple[Node, Node]) -> None:
     assert headers[RESTORED_HEADER] == "0"
     assert out["timings"]["prompt_n"] >= n - 1 and out["content"]  # the first token may be cached
     # other endpoints go through untouched
-    status, body = _get(b.proxy + "/v1/models")
+    status, body = http_status(b.proxy + "/v1/models")
     assert status == 200 and json.loads(body)["data"]
-    assert _get(b.proxy + "/health")[0] == 200
+    assert http_status(b.proxy + "/health")[0] == 200
 
 
 def _stream_chat(url: str, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any], dict[str, str], int]:
@@ -360,7 +302,7 @@ def test_concurrent_requests(nodes: tuple[Node, Node]) -> None:
 def test_store_down_still_answers(nodes: tuple[Node, Node], cluster: Cluster) -> None:
     a, _ = nodes
     dead = f"redis://127.0.0.1:{free_port()}/0"
-    proxy = cluster.proxy(a.server, a.slot_dir, dead)
+    proxy = cluster.proxy_of(a.server, a.slot_dir, dead)
     prompt = sample_text("gpl-3.0.txt")[:1500] + "\n\nQuestion: who wrote this?\nAnswer:"
     out, headers = _complete(proxy, prompt)
     assert headers[RESTORED_HEADER] == "0" and out["content"]
@@ -372,8 +314,8 @@ def test_token_required(nodes: tuple[Node, Node], cluster: Cluster, redis_url: s
     a, _ = nodes
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
-    proxy = cluster.proxy(a.server, a.slot_dir, redis_url, "--token-file", str(token_file))
-    assert _get(proxy + "/health")[0] == 200
+    proxy = cluster.proxy_of(a.server, a.slot_dir, redis_url, "--token-file", str(token_file))
+    assert http_status(proxy + "/health")[0] == 200
     body = json.dumps({"prompt": "Hello", "n_predict": 2}).encode()
     for headers, status in (
         ({}, 401),
@@ -398,7 +340,7 @@ def test_killed_mid_upload_leaves_no_torn_entry(
     monkeypatch.setenv(stores.KEY_ENV, key)  # both proxies tag and verify every object
     store_url = str(tmp_path / "store")  # a directory: the store where a write could be torn
     n_chunks, levels = 8, ("lossless", "high", "balanced", "compact")
-    victim = cluster.proxy(a.server, a.slot_dir, store_url, "--levels", *levels)
+    victim = cluster.proxy_of(a.server, a.slot_dir, store_url, "--levels", *levels)
     victim_proc = cluster.procs[-1]
     prefix = _tokenize(a.server, sample_text("gfdl-1.3.txt"), add_special=True)[: n_chunks * CHUNK]
     q_a = _tokenize(a.server, " Who publishes this license?\nAnswer:", add_special=False)
@@ -445,7 +387,7 @@ def test_killed_mid_upload_leaves_no_torn_entry(
     ref, _ = _complete(b.server, prompt, id_slot=0)
     assert ref["timings"]["prompt_n"] == len(q_b)
     _post(b.server + "/slots/0?action=erase", {})
-    later = cluster.proxy(b.server, b.slot_dir, store_url, "--load-level", "lossless")
+    later = cluster.proxy_of(b.server, b.slot_dir, store_url, "--load-level", "lossless")
     out_b, headers_b = _complete(later, prompt)
     restored = int(headers_b[RESTORED_HEADER])
     assert restored == len(prefix)  # every lossless chunk was whole before the kill

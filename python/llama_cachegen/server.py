@@ -8,15 +8,21 @@ the llama-cpp-python sdist's vendor/llama.cpp, CPU only, static, cached in
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.resources
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from .errors import CacheGenError
-from .model import cache_dir
+from .model import cache_dir, default_model_path
 
 PINNED_LLAMA_CPP_PYTHON = "0.3.36"
 SERVER_ENV = "LLAMA_CACHEGEN_LLAMA_SERVER"  # a llama-server binary to use instead of the cached one
@@ -62,4 +68,84 @@ def llama_server_path(build: bool = True) -> Path:
     return path
 
 
-__all__ = ["SERVER_ENV", "cached_server_path", "llama_cpp_python_version", "llama_server_path"]
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    """GET url: (status, body), an HTTP error status included."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class Processes:
+    """llama-servers and sharing proxies on 127.0.0.1, for tests and benchmarks: each logs to
+    `<root>/<name>.log`, is ready once its /health answers 200, and `close` stops them all."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
+              timeout: float = 180.0) -> str:  # fmt: skip
+        """Starts argv (listening on port) and returns its URL once it is ready."""
+        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 - kept for the process
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise CacheGenError(f"{name} exited with {proc.returncode}; see {self.root / name}.log")
+            with contextlib.suppress(OSError):
+                if http_status(url + "/health", 2.0)[0] == 200:
+                    return url
+            time.sleep(0.1)
+        raise CacheGenError(f"{name} not ready after {timeout:.0f} s; see {self.root / name}.log")
+
+    def llama_server(self, name: str, binary: Path, n_ctx: int) -> tuple[str, Path]:
+        """A llama-server of the default model with one slot, one thread and a slot directory:
+        (URL, slot directory)."""
+        slot_dir = self.root / f"slots-{name}"
+        slot_dir.mkdir()
+        port = free_port()
+        argv = [str(binary), "-m", str(default_model_path()), "-c", str(n_ctx), "-np", "1", "-t", "1",
+                "-b", "512", "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(slot_dir),
+                "--cache-ram", "0", "--no-warmup"]  # fmt: skip
+        return self.start(f"server-{name}", argv, port), slot_dir
+
+    def proxy(self, name: str, server: str, slot_dir: Path, store: str, *args: str,
+              env: dict[str, str] | None = None) -> str:  # fmt: skip
+        """`llama-cachegen proxy` before `server` (its slot directory, `store`, more args)."""
+        port = free_port()
+        argv = [sys.executable, "-m", "llama_cachegen", "proxy", "--server", server,
+                "--slot-dir", str(slot_dir), "--store", store,
+                "--listen", f"127.0.0.1:{port}", *args]  # fmt: skip
+        return self.start(f"proxy-{name}", argv, port, env)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+
+
+__all__ = [
+    "SERVER_ENV",
+    "Processes",
+    "cached_server_path",
+    "free_port",
+    "http_status",
+    "llama_cpp_python_version",
+    "llama_server_path",
+]
