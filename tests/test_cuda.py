@@ -141,6 +141,17 @@ def _layouts() -> dict[str, bytes]:
     return cases
 
 
+@pytest.mark.parametrize("level", LEVELS[1:])
+def test_anchor_delta_on_every_layout(level: str) -> None:
+    """Anchor/delta encodes and decodes every layout and type (the CPU path): same state shape,
+    and the lossless parts (cells, headers, exact rows) as plain coding gives them."""
+    for name, state in _layouts().items():
+        knobs = {"transform": "anchor-delta", "anchor_tokens": 3}
+        out = lcg.decode(lcg.encode(state, level, **knobs))
+        assert len(out) == len(state) and lcg.inspect_state(out) == lcg.inspect_state(state), name
+        assert lcg.decode(lcg.encode(state, level, threads=2, **knobs)) == out, name
+
+
 def check_decode_matches_cpu() -> None:
     for name, state in _layouts().items():
         for level in LEVELS:
