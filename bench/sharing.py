@@ -29,8 +29,6 @@ import shutil
 import statistics
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,20 +36,12 @@ from typing import Any
 from common import log, require
 from llama_cachegen.model import default_model_path, sample_text
 from llama_cachegen.proxy import RESTORED_HEADER, STATS_PATH
-from llama_cachegen.server import Processes, http_status, llama_server_path
+from llama_cachegen.server import Processes, http_status, llama_server_path, post_json
 
 TEXTS = ("gpl-3.0.txt", "gfdl-1.3.txt", "difflib.py.txt")
 Q_A = "\n\nQuestion: Who publishes this text?\nAnswer:"
 Q_B = " In one sentence, the text above says that"  # differs from Q_A at its first token
 SLO_S = 60.0  # generous: the adaptive loader may take the best level
-
-
-def _post(url: str, body: dict[str, Any], timeout: float = 600.0) -> tuple[dict[str, Any], dict[str, str]]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read()), dict(r.headers)
 
 
 def _stats(proxy: str) -> dict[str, Any]:
@@ -76,7 +66,7 @@ def _wait_idle(proxy: str, timeout: float = 300.0) -> dict[str, Any]:
 def _complete(url: str, prompt: list[int], **extra: Any) -> tuple[dict[str, Any], dict[str, str], float]:
     body = {"prompt": prompt, "n_predict": 1, "temperature": 0.0, "cache_prompt": True, **extra}
     start = time.perf_counter()
-    out, headers = _post(url + "/completion", body)
+    out, headers = post_json(url + "/completion", body)
     return out, headers, time.perf_counter() - start
 
 
@@ -126,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
                 for name, extra in options.items()
             }
             text = "\n\n".join(sample_text(name) for name in TEXTS)
-            tokens = _post(a_server + "/tokenize", {"content": text, "add_special": True})[0]["tokens"]
+            tokens = post_json(a_server + "/tokenize", {"content": text, "add_special": True})[0]["tokens"]
             require(
                 len(tokens) >= max(lengths), f"the texts give {len(tokens)} tokens, fewer than {max(lengths)}"
             )
-            q_a = _post(a_server + "/tokenize", {"content": Q_A, "add_special": False})[0]["tokens"]
-            q_b = _post(a_server + "/tokenize", {"content": Q_B, "add_special": False})[0]["tokens"]
+            q_a = post_json(a_server + "/tokenize", {"content": Q_A, "add_special": False})[0]["tokens"]
+            q_b = post_json(a_server + "/tokenize", {"content": Q_B, "add_special": False})[0]["tokens"]
             require(q_a[0] != q_b[0], "the two questions must differ at their first token")
             raw: dict[int, Path] = {}
             for n in lengths:  # A: grows its slot through every length; uploads; its raw slot files
@@ -140,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
                 up = _wait_idle(a_proxy)
                 log(f"A: {up['bytes_written'] / 1e6:.1f} MB in {up['objects_written']} objects uploaded")
                 name = f"raw-{n}.bin"
-                _post(a_server + "/slots/0?action=save", {"filename": name})
+                post_json(a_server + "/slots/0?action=save", {"filename": name})
                 raw[n] = a_slots / name
 
             def empty_b() -> None:
-                _post(b_server + "/slots/0?action=erase", {})
+                post_json(b_server + "/slots/0?action=erase", {})
 
             for n in lengths:
                 prompt = tokens[:n] + q_b
@@ -179,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.perf_counter()
                     copy = f"copy-{n}-{i}.bin"
                     shutil.copyfile(raw[n], b_slots / copy)
-                    _post(b_server + "/slots/0?action=restore", {"filename": copy})
+                    post_json(b_server + "/slots/0?action=restore", {"filename": copy})
                     out, _, _ = _complete(b_server, prompt, id_slot=0)
                     times.append(time.perf_counter() - t0)
                     (b_slots / copy).unlink()

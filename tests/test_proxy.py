@@ -3,6 +3,7 @@ llama-cpp-python's llama.cpp), a proxy before each, one redis-server as the shar
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import signal
@@ -32,7 +33,7 @@ from llama_cachegen.proxy import (
     seq_buffer_to_slot_file,
     slot_file_to_seq_buffer,
 )
-from llama_cachegen.server import Processes, free_port, http_status
+from llama_cachegen.server import Processes, free_port, http_status, post_json
 
 CHUNK = 128
 N_CTX = 2048
@@ -156,12 +157,7 @@ def nodes(cluster: Cluster, redis_url: str) -> tuple[Node, Node]:
     return out[0], out[1]
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[dict[str, Any], dict[str, str]]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read()), dict(r.headers)
+_post = functools.partial(post_json, timeout=120.0)
 
 
 def _stats(proxy: str) -> dict[str, Any]:

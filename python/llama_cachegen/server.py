@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import importlib.resources
+import json
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from .errors import CacheGenError
 from .model import cache_dir, default_model_path
@@ -82,6 +84,15 @@ def http_status(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 600.0) -> tuple[Any, dict[str, str]]:
+    """POST body as JSON: (the JSON answer, the response headers); HTTPError on an error status."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read()), dict(r.headers)
 
 
 class Processes:
@@ -148,4 +159,5 @@ __all__ = [
     "http_status",
     "llama_cpp_python_version",
     "llama_server_path",
+    "post_json",
 ]
