@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <unordered_map>
 
 #if defined(__x86_64__)
@@ -58,8 +59,83 @@ uint64_t state_index(const TensorDesc & t, uint32_t cell, uint32_t unit) {
     return t.transposed ? static_cast<uint64_t>(unit) * t.n_cells + cell : static_cast<uint64_t>(cell) * t.n_units + unit;
 }
 
+#if defined(__x86_64__)
+// Transposed f16 units [u0, u0 + gn) (gn a multiple of 8) into cell-major floats: 8 units x 8 cells
+// at a time, a 16-bit 8x8 transpose then an exact conversion, the same floats as the scalar loop.
+__attribute__((target("avx2,f16c"))) void load_transposed_f16_avx2(const uint8_t * base, size_t n_cells,
+                                                                    size_t unit_stride, uint32_t u0, uint32_t gn,
+                                                                    float * out) {
+    for (uint32_t g0 = 0; g0 < gn; g0 += 8) {
+        const uint8_t * src = base + (u0 + g0) * unit_stride;
+        size_t i = 0;
+        for (; i + 8 <= n_cells; i += 8) {
+            __m128i r[8];
+            for (int k = 0; k < 8; k++) {
+                r[k] = _mm_loadu_si128(reinterpret_cast<const __m128i *>(src + k * unit_stride + 2 * i));
+            }
+            const __m128i t0 = _mm_unpacklo_epi16(r[0], r[1]), t1 = _mm_unpackhi_epi16(r[0], r[1]);
+            const __m128i t2 = _mm_unpacklo_epi16(r[2], r[3]), t3 = _mm_unpackhi_epi16(r[2], r[3]);
+            const __m128i t4 = _mm_unpacklo_epi16(r[4], r[5]), t5 = _mm_unpackhi_epi16(r[4], r[5]);
+            const __m128i t6 = _mm_unpacklo_epi16(r[6], r[7]), t7 = _mm_unpackhi_epi16(r[6], r[7]);
+            const __m128i v0 = _mm_unpacklo_epi32(t0, t2), v1 = _mm_unpackhi_epi32(t0, t2);
+            const __m128i v2 = _mm_unpacklo_epi32(t1, t3), v3 = _mm_unpackhi_epi32(t1, t3);
+            const __m128i v4 = _mm_unpacklo_epi32(t4, t6), v5 = _mm_unpackhi_epi32(t4, t6);
+            const __m128i v6 = _mm_unpacklo_epi32(t5, t7), v7 = _mm_unpackhi_epi32(t5, t7);
+            const __m128i cell[8] = {_mm_unpacklo_epi64(v0, v4), _mm_unpackhi_epi64(v0, v4),
+                                     _mm_unpacklo_epi64(v1, v5), _mm_unpackhi_epi64(v1, v5),
+                                     _mm_unpacklo_epi64(v2, v6), _mm_unpackhi_epi64(v2, v6),
+                                     _mm_unpacklo_epi64(v3, v7), _mm_unpackhi_epi64(v3, v7)};
+            for (int k = 0; k < 8; k++) {
+                _mm256_storeu_ps(out + (i + k) * gn + g0, _mm256_cvtph_ps(cell[k]));
+            }
+        }
+        for (; i < n_cells; i++) {
+            for (uint32_t g = 0; g < 8; g++) {
+                out[i * gn + g0 + g] = load_float(src + g * unit_stride + 2 * i, GGML_F16);
+            }
+        }
+    }
+}
+
+// Cell-major symbols of a group (gn a multiple of 8) into the transposed tensor's unit-major
+// symbols: 8 cells x 8 units at a time, a byte 8x8 transpose.
+__attribute__((target("avx2"))) void store_transposed_symbols_avx2(const uint8_t * gsym, size_t n, uint32_t gn,
+                                                                    uint8_t * dst) {
+    for (uint32_t g0 = 0; g0 < gn; g0 += 8) {
+        size_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m128i r[8];
+            for (int k = 0; k < 8; k++) {
+                r[k] = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(gsym + (i + k) * gn + g0));
+            }
+            const __m128i t0 = _mm_unpacklo_epi8(r[0], r[1]), t1 = _mm_unpacklo_epi8(r[2], r[3]);
+            const __m128i t2 = _mm_unpacklo_epi8(r[4], r[5]), t3 = _mm_unpacklo_epi8(r[6], r[7]);
+            const __m128i u0 = _mm_unpacklo_epi16(t0, t1), u1 = _mm_unpackhi_epi16(t0, t1);
+            const __m128i u2 = _mm_unpacklo_epi16(t2, t3), u3 = _mm_unpackhi_epi16(t2, t3);
+            const __m128i unit[4] = {_mm_unpacklo_epi32(u0, u2), _mm_unpackhi_epi32(u0, u2),
+                                     _mm_unpacklo_epi32(u1, u3), _mm_unpackhi_epi32(u1, u3)};
+            for (int k = 0; k < 4; k++) {  // units g0 + 2k (low half) and g0 + 2k + 1 (high half)
+                _mm_storel_epi64(reinterpret_cast<__m128i *>(dst + (g0 + 2 * k) * n + i), unit[k]);
+                _mm_storel_epi64(reinterpret_cast<__m128i *>(dst + (g0 + 2 * k + 1) * n + i),
+                                 _mm_unpackhi_epi64(unit[k], unit[k]));
+            }
+        }
+        for (; i < n; i++) {
+            for (uint32_t g = g0; g < g0 + 8; g++) {
+                dst[g * n + i] = gsym[i * gn + g];
+            }
+        }
+    }
+}
+#endif
+
 void load_values(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32_t gn, float * out) {
     const Strides st(t);
+#if defined(__x86_64__)
+    if (t.transposed && t.ggml_type == GGML_F16 && gn % 8 == 0 && cpu_has_avx2) {
+        return load_transposed_f16_avx2(base, t.n_cells, st.unit, u0, gn, out);
+    }
+#endif
     if (t.transposed) {  // each unit's cells are contiguous: convert a run, then interleave
         std::vector<float> run(t.n_cells);
         for (uint32_t g = 0; g < gn; g++) {
@@ -118,12 +194,17 @@ double reference_budget(const uint8_t * base, const TensorDesc & t, const QuantK
         return 0.0;
     }
     const size_t stride = (cells.size() + MAX_SAMPLE - 1) / MAX_SAMPLE;
-    std::vector<float> rows;
-    size_t n_rows = 0;
-    for (size_t c = 0; c < cells.size(); c += stride, n_rows++) {
-        const uint8_t * cell = base + cells[c] * st.cell;
+    const size_t n_rows = (cells.size() + stride - 1) / stride;
+    std::vector<float> rows(n_rows * t.n_units);
+    for (size_t r = 0; r < n_rows; r++) {
+        const uint8_t * cell = base + cells[r * stride] * st.cell;
+        float * row = &rows[r * t.n_units];
+        if (t.ggml_type == GGML_F16 && !t.transposed) {
+            f16_row_to_f32(cell, t.n_units, row);
+            continue;
+        }
         for (uint32_t u = 0; u < t.n_units; u++) {
-            rows.push_back(load_float(cell + u * st.unit, t.ggml_type));
+            row[u] = load_float(cell + u * st.unit, t.ggml_type);
         }
     }
     const double err = reference_sq_error(rows.data(), n_rows, t.n_units, k.ref_type, reference_rotation(t));
@@ -179,6 +260,98 @@ void code_deltas(const TensorDesc & t, uint32_t every, const float * values, siz
     }
 }
 
+// Sums and sums of squares per channel of a group's cell-major values, sinks left out. Even and
+// odd rows add into separate sums (two dependency chains), joined at the end in both builds, so
+// the AVX2 one gives the same doubles.
+void group_moments_scalar(const float * v, size_t n, uint32_t gn, const uint8_t * is_sink, double * sum,
+                          double * sum_sq) {
+    double part[2][2][MAX_GROUP] = {};
+    for (size_t i = 0; i < n; i++) {
+        if (is_sink[i]) {
+            continue;
+        }
+        for (uint32_t g = 0; g < gn; g++) {
+            const double x = v[i * gn + g];
+            part[i & 1][0][g] += x;
+            part[i & 1][1][g] += x * x;
+        }
+    }
+    for (uint32_t g = 0; g < gn; g++) {
+        sum[g] = part[0][0][g] + part[1][0][g];
+        sum_sq[g] = part[0][1][g] + part[1][1][g];
+    }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"), always_inline)) inline void moments_row_avx2(const float * v, uint8_t sink,
+                                                                          __m256d * s, __m256d * q) {
+    const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(sink ? 0 : -1));
+    const __m256 x8 = _mm256_and_ps(_mm256_loadu_ps(v), keep);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x8));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x8, 1));
+    s[0] = _mm256_add_pd(s[0], lo);
+    s[1] = _mm256_add_pd(s[1], hi);
+    q[0] = _mm256_add_pd(q[0], _mm256_mul_pd(lo, lo));
+    q[1] = _mm256_add_pd(q[1], _mm256_mul_pd(hi, hi));
+}
+
+// gn a multiple of 8 (no FMA: a fused x * x + s would round differently from the scalar build). A
+// sink row adds zeros, as skipping it would.
+__attribute__((target("avx2"))) void group_moments_avx2(const float * v, size_t n, uint32_t gn,
+                                                         const uint8_t * is_sink, double * sum, double * sum_sq) {
+    for (uint32_t g = 0; g < gn; g += 8) {
+        __m256d s[2][2], q[2][2];  // [row parity][channels g..g+3, g+4..g+7]
+        for (int p = 0; p < 2; p++) {
+            s[p][0] = s[p][1] = q[p][0] = q[p][1] = _mm256_setzero_pd();
+        }
+        size_t i = 0;
+        for (; i + 2 <= n; i += 2) {
+            moments_row_avx2(v + i * gn + g, is_sink[i], s[0], q[0]);
+            moments_row_avx2(v + (i + 1) * gn + g, is_sink[i + 1], s[1], q[1]);
+        }
+        if (i < n) {
+            moments_row_avx2(v + i * gn + g, is_sink[i], s[0], q[0]);
+        }
+        _mm256_storeu_pd(sum + g, _mm256_add_pd(s[0][0], s[1][0]));
+        _mm256_storeu_pd(sum + g + 4, _mm256_add_pd(s[0][1], s[1][1]));
+        _mm256_storeu_pd(sum_sq + g, _mm256_add_pd(q[0][0], q[1][0]));
+        _mm256_storeu_pd(sum_sq + g + 4, _mm256_add_pd(q[0][1], q[1][1]));
+    }
+}
+#endif
+
+void group_moments(const float * v, size_t n, uint32_t gn, const uint8_t * is_sink, double * sum, double * sum_sq) {
+#if defined(__x86_64__)
+    if (cpu_has_avx2 && gn % 8 == 0) {
+        return group_moments_avx2(v, n, gn, is_sink, sum, sum_sq);
+    }
+#endif
+    group_moments_scalar(v, n, gn, is_sink, sum, sum_sq);
+}
+
+// Orders escapes collected group by group into state order: a stable counting sort by the state's
+// outer index (cell, or unit when transposed) leaves each outer line's escapes in collection
+// order, already sorted unless anchor/delta coded a group's rows in two passes.
+void sort_escapes(const TensorDesc & t, std::vector<std::pair<uint64_t, int64_t>> & esc) {
+    const size_t n_inner = t.transposed ? t.n_cells : t.n_units;
+    const size_t n_outer = t.transposed ? t.n_units : t.n_cells;
+    std::vector<size_t> start(n_outer + 1, 0);
+    for (const auto & x : esc) {
+        start[x.first / n_inner + 1]++;
+    }
+    for (size_t o = 0; o < n_outer; o++) {
+        start[o + 1] += start[o];
+    }
+    std::vector<std::pair<uint64_t, int64_t>> sorted(esc.size());
+    for (const auto & x : esc) {
+        sorted[start[x.first / n_inner]++] = x;
+    }
+    if (!std::is_sorted(sorted.begin(), sorted.end())) {
+        std::sort(sorted.begin(), sorted.end());
+    }
+    esc.swap(sorted);
+}
+
 // Quantizes the whole tensor, group by group; false when a value is not finite. The step of a
 // group is rel x its RMS channel deviation: one step for the group, because equal error in every
 // channel minimizes the group's squared error for its bits (measured: less KL at the same size).
@@ -192,7 +365,8 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     s.step_f16.resize(s.n_groups);
     s.shrink_u8.resize(s.n_groups);
     e.sym.resize(n * t.n_units);
-    std::vector<float> values(n * t.n_units);  // group by group, each cell-major
+    // group by group, each cell-major; not zero-filled (every value is loaded before use)
+    std::unique_ptr<float[]> values(new float[n * t.n_units]);
     std::vector<double> mean_d(t.n_units), group_var(s.n_groups);
     uint64_t count = 0;
     for (size_t i = 0; i < n; i++) {
@@ -204,14 +378,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         float * v = &values[n * u0];
         load_values(base, t, u0, gn, v);
         double sum[MAX_GROUP] = {0}, sum_sq[MAX_GROUP] = {0};
-        for (size_t i = 0; i < n; i++) {
-            const bool sink = is_sink[i];  // a select, not a branch: the g loop vectorizes
-            for (uint32_t g = 0; g < gn; g++) {
-                const double x = sink ? 0.0 : static_cast<double>(v[i * gn + g]);
-                sum[g] += x;
-                sum_sq[g] += x * x;
-            }
-        }
+        group_moments(v, n, gn, is_sink.data(), sum, sum_sq);
         double var_sum = 0.0;
         for (uint32_t g = 0; g < gn; g++) {
             if (!std::isfinite(sum_sq[g])) {
@@ -285,6 +452,11 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         for (int b = 0; b < 256; b++) {
             c[b] = part[0][b] + part[1][b] + part[2][b] + part[3][b];
         }
+#if defined(__x86_64__)
+        if (t.transposed && gn % 8 == 0 && cpu_has_avx2) {
+            store_transposed_symbols_avx2(gsym.data(), n, gn, &e.sym[static_cast<size_t>(u0) * n]);
+        } else
+#endif
         if (t.transposed) {
             for (uint32_t g = 0; g < gn; g++) {
                 uint8_t * dst = &e.sym[static_cast<size_t>(u0 + g) * n];
@@ -301,7 +473,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
             e.escapes.push_back({state_index(t, x.cell, u0 + x.lane), x.q});
         }
     }
-    std::sort(e.escapes.begin(), e.escapes.end());
+    sort_escapes(t, e.escapes);
     s.tables.resize(s.n_groups);
     for (uint32_t gi = 0; gi < s.n_groups; gi++) {
         rans::build_table(&counts[static_cast<size_t>(gi) * 256], s.tables[gi]);
