@@ -192,9 +192,15 @@ void encode_stream(const SymbolMatrix & m, uint32_t slice_elements, int counted_
 }
 
 void build_decode_slots(const Table & t, uint32_t * slots) {
+    // 8 entries at a time (wide tables hold many short runs): a run's last write spills into the
+    // next run's slots, written after it, and the table's last into DECODE_SLOTS_ROOM.
     for (uint32_t s = t.first; s <= t.last; s++) {
-        for (uint32_t k = 0; k < t.freq[s]; k++) {
-            slots[t.cum[s] + k] = lanes::slot_entry(s, t.freq[s], k);
+        const uint32_t f = t.freq[s];
+        uint32_t * run = slots + t.cum[s];
+        for (uint32_t k = 0; k < f; k += 8) {
+            for (uint32_t j = 0; j < 8; j++) {
+                run[k + j] = lanes::slot_entry(s, f, k + j);
+            }
         }
     }
 }

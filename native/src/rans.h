@@ -66,7 +66,9 @@ struct EncTable {
     uint32_t packed[256];
 };
 void build_enc_table(const Table & t, EncTable & e);
-// 4096 decode slots.
+// 4096 decode slots; up to DECODE_SLOTS_ROOM entries after them are overwritten (the next
+// table's, built after it, or room left at the end).
+constexpr uint32_t DECODE_SLOTS_ROOM = 8;
 void build_decode_slots(const Table & t, uint32_t * slots);
 
 // Slices (format v3): a stream of n symbols is cut into slices of `slice_elements` symbols (a

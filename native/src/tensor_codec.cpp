@@ -485,17 +485,36 @@ void prepare_lossless(const uint8_t * base, const TensorDesc & t, TensorEncoder 
     TensorStats & s = e.stats;
     const Strides st(t);
     s.plane_stored.assign(t.unit_bytes, 0);
-    for (uint32_t b = 0; b < t.unit_bytes; b++) {
-        std::vector<uint32_t> counts(static_cast<size_t>(s.n_groups) * 256, 0);
+    // Histograms of every plane, group by group: four per plane (by unit mod 4), summed, because
+    // the high bytes of neighbours are often equal and one counter's increments would wait on
+    // each other.
+    const uint32_t ub = t.unit_bytes;
+    std::vector<uint32_t> plane_counts(static_cast<size_t>(ub) * s.n_groups * 256);  // [b][gi][symbol]
+    std::vector<uint32_t> part(static_cast<size_t>(ub) * 4 * 256);
+    for (uint32_t gi = 0; gi < s.n_groups; gi++) {
+        std::fill(part.begin(), part.end(), 0u);
+        const uint32_t u0 = gi * s.group, u1 = std::min(t.n_units, u0 + s.group);
         for (size_t i = 0; i < t.n_cells; i++) {
-            const uint8_t * cell = base + i * st.cell + b;
-            for (uint32_t gi = 0; gi < s.n_groups; gi++) {
-                uint32_t * c = &counts[static_cast<size_t>(gi) * 256];
-                for (uint32_t u = gi * s.group; u < std::min(t.n_units, (gi + 1) * s.group); u++) {
-                    c[cell[u * st.unit]]++;
+            const uint8_t * cell = base + i * st.cell;
+            for (uint32_t u = u0; u < u1; u++) {
+                const uint8_t * e = cell + u * st.unit;
+                uint32_t * p = &part[static_cast<size_t>(u & 3) * 256];
+                for (uint32_t b = 0; b < ub; b++) {
+                    p[static_cast<size_t>(b) * 1024 + e[b]]++;
                 }
             }
         }
+        for (uint32_t b = 0; b < ub; b++) {
+            uint32_t * c = &plane_counts[(static_cast<size_t>(b) * s.n_groups + gi) * 256];
+            const uint32_t * p = &part[static_cast<size_t>(b) * 1024];
+            for (int x = 0; x < 256; x++) {
+                c[x] = p[x] + p[256 + x] + p[512 + x] + p[768 + x];
+            }
+        }
+    }
+    for (uint32_t b = 0; b < t.unit_bytes; b++) {
+        const uint32_t * counts_b = &plane_counts[static_cast<size_t>(b) * s.n_groups * 256];
+        std::vector<uint32_t> counts(counts_b, counts_b + static_cast<size_t>(s.n_groups) * 256);
         std::vector<rans::Table> tables(s.n_groups);
         double bits = 8.0 * rans::STATE_BYTES;
         for (uint32_t gi = 0; gi < s.n_groups; gi++) {
@@ -543,7 +562,7 @@ inline uint8_t * element_ptr(const LossyDst & d, RowUnit ru) {
 }
 
 inline void store_value(const LossyDst & d, RowUnit ru, float q) {
-    const uint32_t gi = ru.unit / d.group;
+    const uint32_t gi = ru.unit >> __builtin_ctz(d.group);  // 8, 16 or 32 (read_stats checks)
     store_float(element_ptr(d, ru), d.obj->ggml_type, dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], q));
 }
 
@@ -596,6 +615,23 @@ struct PermTable {
     }
 };
 const PermTable perm_table;
+
+// For each 8-bit mask, the positions of its set bits, in order (the rest: 0).
+struct CompressTable {
+    alignas(32) int32_t idx[256][8];
+    CompressTable() {
+        for (int m = 0; m < 256; m++) {
+            int n = 0;
+            for (int j = 0; j < 8; j++) {
+                idx[m][j] = 0;
+                if (m & (1 << j)) {
+                    idx[m][n++] = j;
+                }
+            }
+        }
+    }
+};
+const CompressTable compress_table;
 
 // The symbol lookup: AVX2's gather instruction, or eight scalar loads; both read the same table, so
 // the output is the same. Scalar loads measured faster on AMD Zen (EPYC, bench/speed.py: balanced
@@ -682,7 +718,7 @@ __attribute__((target("avx2,f16c"))) size_t decode_symbols_avx2(rans::Cursor & c
 // bounds checks).
 template <bool GATHER>
 __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor & c, const LossyDst & d, size_t k0,
-                                                                   size_t k1, std::vector<uint64_t> & esc) {
+                                                                   size_t k1, uint32_t * esc, size_t & n_esc) {
     const TensorDesc & t = *d.obj;
     const uint32_t c0 = d.row_cell[0];
     __m256i x[4];
@@ -723,11 +759,13 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
             const __m256 sh = _mm256_and_ps(nonzero, _mm256_or_ps(_mm256_and_ps(q, sign), _mm256_set1_ps(d.shrink[gi])));
             const __m256 val = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(q, sh), _mm256_set1_ps(d.step[gi])), mean);
             _mm_storeu_si128(reinterpret_cast<__m128i *>(out), _mm256_cvtps_ph(val, _MM_FROUND_TO_NEAREST_INT));
-            int escapes = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(s, zero)));
-            while (escapes) {
-                esc.push_back(k + 8 * v + __builtin_ctz(escapes));
-                escapes &= escapes - 1;
-            }
+            // Escapes' offsets from k0, branch-free (at high, a vector in four holds one): all 8
+            // stored, the count advanced by how many there are.
+            const int escapes = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(s, zero)));
+            const __m256i lane = _mm256_load_si256(reinterpret_cast<const __m256i *>(compress_table.idx[escapes]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(esc + n_esc),
+                                _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(k - k0 + 8 * v))));
+            n_esc += static_cast<size_t>(__builtin_popcount(escapes));
         }
         k += rans::LANES;
     }
@@ -757,14 +795,27 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
 #endif
     prefetch_tables(dec.slots);
     std::vector<uint64_t> esc;
+    // the AVX2 decoder's escape offsets within a slice: at most one per symbol, 8 written at a time
+    std::unique_ptr<uint32_t[]> slice_esc;
+    if (vector_ok) {
+        size_t most = 0;
+        for (const rans::Slice & sl : slices) {
+            most = std::max<size_t>(most, sl.k1 - sl.k0);
+        }
+        slice_esc.reset(new uint32_t[most + 8]);
+    }
     for (const rans::Slice & sl : slices) {
         rans::Cursor c = rans::open_stream(sl.data, sl.bytes);
         const size_t before = esc.size();
         size_t k = sl.k0;
 #if defined(__x86_64__)
         if (vector_ok) {
-            k = use_gather ? decode_lossy_f16_avx2<true>(c, d, k, sl.k1, esc)
-                           : decode_lossy_f16_avx2<false>(c, d, k, sl.k1, esc);
+            size_t n_esc = 0;
+            k = use_gather ? decode_lossy_f16_avx2<true>(c, d, k, sl.k1, slice_esc.get(), n_esc)
+                           : decode_lossy_f16_avx2<false>(c, d, k, sl.k1, slice_esc.get(), n_esc);
+            for (size_t e = 0; e < n_esc; e++) {
+                esc.push_back(sl.k0 + slice_esc[e]);
+            }
         }
 #endif
         decode_lossy_scalar(c, d, k, sl.k1, esc);
@@ -775,8 +826,47 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     const uint64_t n_escapes = r.varint();
     LCG_CHECK(n_escapes == esc.size(), LCG_ERR_CORRUPT, "tensor declares %llu escapes, its symbols %zu",
               (unsigned long long) n_escapes, esc.size());
+    // Escapes in element order: a division only where one starts a new outer line.
+    const size_t n_i = n_inner(obj);
+    size_t o = 0, line = 0;  // the outer line of the last escape and its first element
     for (uint64_t k_esc : esc) {
-        store_value(d, row_unit(obj, k_esc), static_cast<float>(read_escape(r)));
+        if (k_esc - line >= n_i) {
+            o = k_esc / n_i;
+            line = o * n_i;
+        }
+        store_value(d, row_unit(obj, o, k_esc - line), static_cast<float>(read_escape(r)));
+    }
+}
+
+// Element k of n gets byte b from planes[b][k]: the byte planes of a lossless tensor back into
+// elements of unit_bytes bytes at out (SSE2 unpacks for 2 and 4 bytes, a plain loop otherwise).
+void interleave_planes(const uint8_t * const * planes, uint32_t unit_bytes, size_t n, uint8_t * out) {
+    size_t k = 0;
+#if defined(__x86_64__)
+    auto load = [&](uint32_t b) { return _mm_loadu_si128(reinterpret_cast<const __m128i *>(planes[b] + k)); };
+    auto store = [&](size_t at, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i *>(out + at), v); };
+    if (unit_bytes == 2) {
+        for (; k + 16 <= n; k += 16) {
+            const __m128i p0 = load(0), p1 = load(1);
+            store(2 * k, _mm_unpacklo_epi8(p0, p1));
+            store(2 * k + 16, _mm_unpackhi_epi8(p0, p1));
+        }
+    } else if (unit_bytes == 4) {
+        for (; k + 16 <= n; k += 16) {
+            const __m128i p0 = load(0), p1 = load(1), p2 = load(2), p3 = load(3);
+            const __m128i lo01 = _mm_unpacklo_epi8(p0, p1), hi01 = _mm_unpackhi_epi8(p0, p1);
+            const __m128i lo23 = _mm_unpacklo_epi8(p2, p3), hi23 = _mm_unpackhi_epi8(p2, p3);
+            store(4 * k, _mm_unpacklo_epi16(lo01, lo23));
+            store(4 * k + 16, _mm_unpackhi_epi16(lo01, lo23));
+            store(4 * k + 32, _mm_unpacklo_epi16(hi01, hi23));
+            store(4 * k + 48, _mm_unpackhi_epi16(hi01, hi23));
+        }
+    }
+#endif
+    for (; k < n; k++) {
+        for (uint32_t b = 0; b < unit_bytes; b++) {
+            out[k * unit_bytes + b] = planes[b][k];
+        }
     }
 }
 
@@ -798,6 +888,20 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
             }
         }
     };
+    // Where each outer line's elements lie side by side in the destination (always for rows; for
+    // transposed units, where the cells are a run), the planes are decoded whole and interleaved line by line at the end
+    // (a byte-by-byte put_plane was most of the lossless decode time).
+    bool lines = (obj.transposed ? ds.cell : ds.unit) == obj.unit_bytes;
+    for (size_t i = 1; i < row_cell.size() && lines && obj.transposed; i++) {
+        lines = row_cell[i] == row_cell[0] + i;
+    }
+    std::vector<const uint8_t *> plane(obj.unit_bytes);
+    std::unique_ptr<uint8_t[]> planes_buf;  // the coded planes, decoded (lines)
+    if (lines) {
+        const size_t coded = static_cast<size_t>(std::count(s.plane_stored.begin(), s.plane_stored.end(), 0));
+        planes_buf.reset(new uint8_t[coded * n]);
+    }
+    uint8_t * next_plane = planes_buf.get();
     bool vector_ok = false;
 #if defined(__x86_64__)
     vector_ok = cpu_has_avx2 && n_i % 8 == 0;
@@ -806,28 +910,52 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
     std::vector<uint8_t> symbols;
     for (uint32_t b = 0; b < obj.unit_bytes; b++) {
         if (s.plane_stored[b]) {
-            put_plane(b, r.take(n), 0, n);
+            plane[b] = r.take(n);
+            if (!lines) {
+                put_plane(b, plane[b], 0, n);
+            }
             continue;
+        }
+        if (lines) {
+            plane[b] = next_plane;
+            next_plane += n;
         }
         const uint32_t stream_bytes = r.u32();
         for (const rans::Slice & sl : rans::read_slices(r.take(stream_bytes), stream_bytes, n, false)) {
             rans::Cursor c = rans::open_stream(sl.data, sl.bytes);
-            symbols.resize(sl.k1 - sl.k0);
+            uint8_t * out = lines ? const_cast<uint8_t *>(plane[b]) + sl.k0 : nullptr;
+            if (!lines) {
+                symbols.resize(sl.k1 - sl.k0);
+                out = symbols.data();
+            }
             size_t k = sl.k0;
 #if defined(__x86_64__)
             if (vector_ok) {
-                k = use_gather ? decode_symbols_avx2<true>(c, obj, slots, s.group, k, sl.k1, symbols.data())
-                               : decode_symbols_avx2<false>(c, obj, slots, s.group, k, sl.k1, symbols.data());
+                k = use_gather ? decode_symbols_avx2<true>(c, obj, slots, s.group, k, sl.k1, out)
+                               : decode_symbols_avx2<false>(c, obj, slots, s.group, k, sl.k1, out);
             }
 #endif
             rans::decode_stream(
                 c, k, sl.k1, n_i,
                 [&](size_t o, size_t i) { return slots + (row_unit(obj, o, i).unit / s.group) * rans::PROB_SCALE; },
-                [&](size_t o, size_t i, uint8_t v) { symbols[o * n_i + i - sl.k0] = v; });
+                [&](size_t o, size_t i, uint8_t v) { out[o * n_i + i - sl.k0] = v; });
             rans::close_stream(c);
-            put_plane(b, symbols.data(), sl.k0, sl.k1);
+            if (!lines) {
+                put_plane(b, out, sl.k0, sl.k1);
+            }
         }
         slots += static_cast<size_t>(s.n_groups) * rans::PROB_SCALE;
+    }
+    if (!lines) {
+        return;
+    }
+    std::vector<const uint8_t *> at(obj.unit_bytes);
+    for (size_t o = 0; o < n_outer(obj); o++) {
+        for (uint32_t b = 0; b < obj.unit_bytes; b++) {
+            at[b] = plane[b] + o * n_i;
+        }
+        const RowUnit first = row_unit(obj, o, 0);
+        interleave_planes(at.data(), obj.unit_bytes, n_i, base + row_cell[first.row] * ds.cell + first.unit * ds.unit);
     }
 }
 
@@ -1039,7 +1167,7 @@ TensorDecoder prepare_decoder(TensorStats stats) {
     TensorDecoder d;
     d.stats = std::move(stats);
     const TensorStats & s = d.stats;
-    d.slots.resize(s.tables.size() * rans::PROB_SCALE);
+    d.slots.resize(s.tables.size() * rans::PROB_SCALE + rans::DECODE_SLOTS_ROOM);
     for (size_t i = 0; i < s.tables.size(); i++) {
         rans::build_decode_slots(s.tables[i], &d.slots[i * rans::PROB_SCALE]);
     }
