@@ -117,7 +117,38 @@ float layer_step(const QuantKnobs & k, bool is_v, uint32_t layer, uint32_t n_lay
 
 namespace {
 
+#if defined(__x86_64__)
+// hadamard() for n a multiple of 8, the same additions in the same stages: the first three inside
+// each vector of 8 (a lane and its partner, swapped in by a permute), the rest between vectors.
+__attribute__((target("avx2"))) void hadamard_avx2(float * x, uint32_t n) {
+    for (uint32_t i = 0; i < n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m256 partner = _mm256_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1));  // h = 1
+        v = _mm256_blend_ps(_mm256_add_ps(v, partner), _mm256_sub_ps(partner, v), 0xaa);
+        partner = _mm256_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2));  // h = 2
+        v = _mm256_blend_ps(_mm256_add_ps(v, partner), _mm256_sub_ps(partner, v), 0xcc);
+        partner = _mm256_permute2f128_ps(v, v, 1);  // h = 4
+        v = _mm256_blend_ps(_mm256_add_ps(v, partner), _mm256_sub_ps(partner, v), 0xf0);
+        _mm256_storeu_ps(x + i, v);
+    }
+    for (uint32_t h = 8; h < n; h *= 2) {
+        for (uint32_t i = 0; i < n; i += 2 * h) {
+            for (uint32_t j = i; j < i + h; j += 8) {
+                const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + h);
+                _mm256_storeu_ps(x + j, _mm256_add_ps(a, b));
+                _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, b));
+            }
+        }
+    }
+    const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(static_cast<float>(n)));
+    for (uint32_t i = 0; i < n; i += 8) {
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), scale));
+    }
+}
+#endif
+
 // Element-wise float work and double sums in a fixed order: the AVX2 build gives the same result.
+template <bool AVX2>
 __attribute__((always_inline)) inline double reference_sq_error_body(const float * rows, size_t n_rows,
                                                                      uint32_t n_units, int32_t ref_type,
                                                                      uint32_t rot) {
@@ -126,6 +157,12 @@ __attribute__((always_inline)) inline double reference_sq_error_body(const float
     for (size_t r = 0; r < n_rows; r++) {
         std::memcpy(row.data(), rows + r * n_units, n_units * sizeof(float));
         for (uint32_t b = 0; rot && b < n_units; b += rot) {
+#if defined(__x86_64__)
+            if (AVX2) {
+                hadamard_avx2(row.data() + b, rot);
+                continue;
+            }
+#endif
             hadamard(row.data() + b, rot);
         }
         for (uint32_t b = 0; b + 32 <= n_units; b += 32) {
@@ -138,7 +175,7 @@ __attribute__((always_inline)) inline double reference_sq_error_body(const float
 #if defined(__x86_64__)
 __attribute__((target("avx2"))) double reference_sq_error_avx2(const float * rows, size_t n_rows, uint32_t n_units,
                                                                 int32_t ref_type, uint32_t rot) {
-    return reference_sq_error_body(rows, n_rows, n_units, ref_type, rot);
+    return reference_sq_error_body<true>(rows, n_rows, n_units, ref_type, rot);
 }
 #endif
 
@@ -150,7 +187,7 @@ double reference_sq_error(const float * rows, size_t n_rows, uint32_t n_units, i
         return reference_sq_error_avx2(rows, n_rows, n_units, ref_type, rot);
     }
 #endif
-    return reference_sq_error_body(rows, n_rows, n_units, ref_type, rot);
+    return reference_sq_error_body<false>(rows, n_rows, n_units, ref_type, rot);
 }
 
 ChannelQuant channel_quant(double mean, double step) {
