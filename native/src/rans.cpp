@@ -170,24 +170,26 @@ void encode_slice(const SymbolMatrix & m, size_t k0, size_t k1, ByteWriter & w) 
 
 void encode_stream(const SymbolMatrix & m, uint32_t slice_elements, int counted_symbol, ByteWriter & w) {
     const size_t n = m.n_outer * m.n_inner;
+    const size_t n_slices = (n + slice_elements - 1) / slice_elements;
+    const size_t entry = counted_symbol >= 0 ? 8 : 4;
     w.u32(slice_elements);
-    std::vector<ByteWriter> slices((n + slice_elements - 1) / slice_elements);
-    for (size_t s = 0; s < slices.size(); s++) {
+    // The directory is filled in once the slices, written straight after it, are sized.
+    const size_t directory = w.buf.size();
+    w.buf.resize(directory + n_slices * entry);
+    for (size_t s = 0; s < n_slices; s++) {
         const size_t k0 = s * slice_elements, k1 = std::min(n, k0 + slice_elements);
-        encode_slice(m, k0, k1, slices[s]);
-        LCG_CHECK(slices[s].buf.size() <= UINT32_MAX, LCG_ERR_LIMIT, "a slice of %zu bytes", slices[s].buf.size());
-        w.u32(static_cast<uint32_t>(slices[s].buf.size()));
+        const size_t start = w.buf.size();
+        encode_slice(m, k0, k1, w);
+        const size_t bytes = w.buf.size() - start;
+        LCG_CHECK(bytes <= UINT32_MAX, LCG_ERR_LIMIT, "a slice of %zu bytes", bytes);
+        uint32_t fields[2] = {static_cast<uint32_t>(bytes), 0};
         if (counted_symbol >= 0) {  // a rare symbol (escapes): memchr skips to each
-            uint32_t count = 0;
-            for (const void * p = std::memchr(m.sym + k0, counted_symbol, k1 - k0); p != nullptr; count++) {
+            for (const void * p = std::memchr(m.sym + k0, counted_symbol, k1 - k0); p != nullptr; fields[1]++) {
                 const uint8_t * next = static_cast<const uint8_t *>(p) + 1;
                 p = next < m.sym + k1 ? std::memchr(next, counted_symbol, static_cast<size_t>(m.sym + k1 - next)) : nullptr;
             }
-            w.u32(count);
         }
-    }
-    for (const ByteWriter & s : slices) {
-        w.put(s.buf.data(), s.buf.size());
+        std::memcpy(&w.buf[directory + s * entry], fields, entry);  // little-endian u32s, as ByteWriter
     }
 }
 

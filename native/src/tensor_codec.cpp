@@ -1078,8 +1078,10 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
             w.put(base + cells[r] * st.cell + u * st.unit, t.unit_bytes);
         }
     }
-    // The object's symbols (or byte planes) in its memory order, from the state's.
-    std::vector<uint8_t> sym(n);
+    // The object's symbols (or byte planes) in its memory order, from the state's; a whole lossy
+    // object codes the encoder's own symbols.
+    std::vector<uint8_t> sym;
+    const uint8_t * symbols = nullptr;
     bool contiguous = true;
     for (size_t r = 1; r < cells.size() && contiguous; r++) {
         contiguous = cells[r] == cells[0] + r;
@@ -1098,24 +1100,32 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
         for (uint32_t u = 0; u < t.n_units; u++) {
             unit_table[u] = &tables[u / s.group];
         }
-        ByteWriter stream;
+        // The stream goes straight into w after its byte count, filled in when it is known.
+        const size_t at = w.buf.size();
+        w.u32(0);
         // Lossy slices count their escape symbols in the stream's directory.
-        rans::encode_stream({sym.data(), n_outer(obj), n_inner(obj), t.transposed, unit_table.data()},
-                            slice_elements, s.lossy ? SYM_ESCAPE : -1, stream);
-        LCG_CHECK(stream.buf.size() <= UINT32_MAX, LCG_ERR_LIMIT, "a stream of %zu bytes (at most 4 GiB per tensor)",
-                  stream.buf.size());
-        w.u32(static_cast<uint32_t>(stream.buf.size()));
-        w.put(stream.buf.data(), stream.buf.size());
+        rans::encode_stream({symbols, n_outer(obj), n_inner(obj), t.transposed, unit_table.data()}, slice_elements,
+                            s.lossy ? SYM_ESCAPE : -1, w);
+        const size_t bytes = w.buf.size() - at - 4;
+        LCG_CHECK(bytes <= UINT32_MAX, LCG_ERR_LIMIT, "a stream of %zu bytes (at most 4 GiB per tensor)", bytes);
+        const uint32_t size32 = static_cast<uint32_t>(bytes);
+        std::memcpy(&w.buf[at], &size32, 4);
     };
     if (s.lossy) {
-        if (contiguous && !cells.empty()) {  // the state's symbols are already in this order, per outer
-            const size_t state_inner = t.transposed ? t.n_cells : t.n_units;
-            const size_t first = t.transposed ? cells[0] : static_cast<size_t>(cells[0]) * t.n_units;
+        const size_t state_inner = t.transposed ? t.n_cells : t.n_units;
+        if (contiguous && !cells.empty() && (!t.transposed || cells.size() == t.n_cells)) {
+            // rows of the state, or all of it: a run of the encoder's symbols
+            symbols = &e.sym[t.transposed ? 0 : static_cast<size_t>(cells[0]) * t.n_units];
+        } else if (contiguous && !cells.empty()) {  // a run of cells of each transposed unit
+            sym.resize(n);
             for (size_t o = 0; o < n_outer(obj); o++) {
-                std::memcpy(&sym[o * n_inner(obj)], &e.sym[first + o * state_inner], n_inner(obj));
+                std::memcpy(&sym[o * n_inner(obj)], &e.sym[cells[0] + o * state_inner], n_inner(obj));
             }
+            symbols = sym.data();
         } else {
+            sym.resize(n);
             gather([&](uint32_t cell, uint32_t unit) { return e.sym[state_index(t, cell, unit)]; });
+            symbols = sym.data();
         }
         coded(e.enc.data());
         // The escaped values, in the object's order: memchr finds each escape symbol; its value is
@@ -1123,15 +1133,15 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
         // chunks of contiguous cells), else found by binary search.
         std::vector<int64_t> esc;
         auto entry = e.escapes.begin();
-        for (const void * p = std::memchr(sym.data(), SYM_ESCAPE, n); p != nullptr;) {
-            const size_t k = static_cast<size_t>(static_cast<const uint8_t *>(p) - sym.data());
+        for (const void * p = std::memchr(symbols, SYM_ESCAPE, n); p != nullptr;) {
+            const size_t k = static_cast<size_t>(static_cast<const uint8_t *>(p) - symbols);
             const RowUnit ru = row_unit(obj, k);
             const uint64_t at = state_index(t, cells[ru.row], ru.unit);
             if (esc.empty() || entry + 1 == e.escapes.end() || (++entry)->first != at) {
                 entry = std::lower_bound(e.escapes.begin(), e.escapes.end(), std::make_pair(at, INT64_MIN));
             }
             esc.push_back(entry->second);
-            p = k + 1 < n ? std::memchr(sym.data() + k + 1, SYM_ESCAPE, n - k - 1) : nullptr;
+            p = k + 1 < n ? std::memchr(symbols + k + 1, SYM_ESCAPE, n - k - 1) : nullptr;
         }
         w.varint(esc.size());
         for (int64_t q : esc) {
@@ -1140,6 +1150,8 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
         return;
     }
     const rans::EncTable * enc = e.enc.data();
+    sym.resize(n);
+    symbols = sym.data();
     for (uint32_t b = 0; b < t.unit_bytes; b++) {
         for (size_t o = 0, k = 0; o < n_outer(obj); o++) {  // byte b of each element, memory order
             if (t.transposed) {  // outer = unit
