@@ -101,6 +101,7 @@ def copy_seq(llm: Any, src: int, dst: int) -> None:
 
 # ---- synthetic llama.cpp states (docs/llama-state.md) -----------------------------------------
 
+
 def kv_cache_bytes(
     rng: np.random.Generator,
     *,

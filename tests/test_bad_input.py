@@ -70,6 +70,15 @@ def test_reseal_reproduces_the_encoder(blob: bytes) -> None:
     assert bytes(reseal(bytearray(blob))) == blob
 
 
+def test_checksums_of_large_sections_match_a_plain_crc32c() -> None:
+    # the native CRC runs three 16 KiB blocks side by side past 48 KiB: sections of ~60-90 KiB
+    rng = np.random.default_rng(7)
+    state = seq_buffer(kv_cache_bytes(rng, n_layer=1, n_embd=232, cells_per_stream=(197,)))
+    blob = lcg.encode(state, "lossless")
+    assert max(size for _, _, _, size in sections(blob)) > 3 * 16384
+    assert bytes(reseal(bytearray(blob))) == blob
+
+
 def test_truncation_at_every_section_boundary(blob: bytes) -> None:
     cuts = {0, 3, 4, 10, HEADER - 1, HEADER, len(blob) - 1}
     for _, _, off, size in sections(blob):
@@ -176,6 +185,7 @@ def test_random_resealed_mutations_never_crash(blob: bytes) -> None:
 
 # ---- llama.cpp states this library does not read ------------------------------------------------
 
+
 def test_unknown_states_are_refused_with_what_was_found(small_state: bytes) -> None:
     with pytest.raises(lcg.UnsupportedFormatError, match="0x46445025"):
         lcg.encode(b"%PDF-1.7 not a state at all")
@@ -203,6 +213,7 @@ def test_unknown_states_are_refused_with_what_was_found(small_state: bytes) -> N
 
 
 # ---- synthetic layouts --------------------------------------------------------------------------
+
 
 def _round_trips(state: bytes, tensors: int) -> None:
     assert lcg.inspect_state(state)["tensors"] == tensors

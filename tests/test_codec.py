@@ -49,11 +49,13 @@ def _states(model_path: Path, tokens: list[int]) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     llm = quality.make_llama(model_path, n_ctx=256, flash_attn=True, logits_all=False)
     out["seq_v_rows"] = quality.state_of(llm, tokens[:100])
-    llm = quality.make_llama(model_path, n_ctx=256, type_k="q8_0", type_v="q8_0", flash_attn=True,
-                             logits_all=False)
+    llm = quality.make_llama(
+        model_path, n_ctx=256, type_k="q8_0", type_v="q8_0", flash_attn=True, logits_all=False
+    )
     out["seq_q8_0"] = quality.state_of(llm, tokens[:100])
-    llm = quality.make_llama(model_path, n_ctx=256, type_k="f32", type_v="bf16", flash_attn=True,
-                             logits_all=False)
+    llm = quality.make_llama(
+        model_path, n_ctx=256, type_k="f32", type_v="bf16", flash_attn=True, logits_all=False
+    )
     out["seq_f32_bf16"] = quality.state_of(llm, tokens[:100])
     for name, unified in (("full_shared_cells", True), ("full_two_streams", False)):
         llm = multi_seq_llama(model_path, 2, unified, n_ctx=512, logits_all=False)
@@ -85,9 +87,15 @@ def states(model_path: Path, gpl_tokens: list[int], state_fa_off: bytes) -> dict
 
 
 EXPECTED_KIND = {
-    "seq_v_transposed": "seq_buffer", "seq_v_rows": "seq_buffer", "seq_q8_0": "seq_buffer",
-    "seq_f32_bf16": "seq_buffer", "full_shared_cells": "full_buffer", "full_two_streams": "full_buffer",
-    "seq_of_stream_1": "seq_buffer", "seq_file": "seq_file", "session_file": "session",
+    "seq_v_transposed": "seq_buffer",
+    "seq_v_rows": "seq_buffer",
+    "seq_q8_0": "seq_buffer",
+    "seq_f32_bf16": "seq_buffer",
+    "full_shared_cells": "full_buffer",
+    "full_two_streams": "full_buffer",
+    "seq_of_stream_1": "seq_buffer",
+    "seq_file": "seq_file",
+    "session_file": "session",
 }
 
 
@@ -144,8 +152,9 @@ def test_decoded_state_loads_into_llama_cpp_and_generates(
 
     for name in ("seq_v_transposed", "seq_v_rows"):
         out = lcg.decode(lcg.encode(states[name], level))
-        llm = quality.make_llama(model_path, n_ctx=PREFIX + CONT + 16, flash_attn=name == "seq_v_rows",
-                                 logits_all=False)
+        llm = quality.make_llama(
+            model_path, n_ctx=PREFIX + CONT + 16, flash_attn=name == "seq_v_rows", logits_all=False
+        )
         buf = (ctypes.c_uint8 * len(out)).from_buffer(out)
         assert llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, buf, len(out), 0) == len(out)
         n_cells = lcg.inspect_state(out)["cells"]
