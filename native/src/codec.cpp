@@ -338,9 +338,8 @@ size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, siz
     const ContainerView c = read_container(data, size);
     const Layout L = state_layout(c);
     const size_t state_size = static_cast<size_t>(c.header.state_size);
-    for (const lcg_section & s : c.sections) {
-        verify_section(c, s);
-    }
+    // Every checksum before anything is written, the sections shared among the threads.
+    parallel_for(c.sections.size(), n_threads, [&](size_t i) { verify_section(c, c.sections[i]); });
     LCG_CHECK(dst_capacity >= state_size, LCG_ERR_DST_TOO_SMALL, "destination holds %zu bytes, the state needs %zu",
               dst_capacity, state_size);
     ByteReader verbatim = c.section_reader(only_section(c, LCG_SECTION_VERBATIM, "verbatim"), "verbatim section");
