@@ -23,7 +23,7 @@ void fail(int status, const char * fmt, ...) {
     throw Error(status, msg);
 }
 
-uint64_t ByteReader::varint() {
+uint64_t ByteReader::varint_long() {
     uint64_t v = 0;
     for (int shift = 0; shift < 64; shift += 7) {
         const uint8_t b = u8();

@@ -58,9 +58,17 @@ public:
     int32_t  i32() { return get<int32_t>(); }
     uint64_t u64() { return get<uint64_t>(); }
     float    f32() { return get<float>(); }
-    uint64_t varint();
+    // One byte (most escapes) inline, longer ones out of line.
+    uint64_t varint() {
+        if (pos_ < size_ && data_[pos_] < 0x80) {
+            return data_[pos_++];
+        }
+        return varint_long();
+    }
 
 private:
+    uint64_t varint_long();
+
     const uint8_t * data_;
     size_t size_;
     size_t pos_ = 0;
