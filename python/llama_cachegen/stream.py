@@ -20,7 +20,7 @@ at that level) it predicts the finish from
   every chunk computed, plus each fetched chunk's decode time (measured per level);
 - the final restore (state bytes / _RESTORE_BPS),
 and takes the plan with the lowest token-weighted KL that finishes within a share of the time
-left (_SLO_SHARE; a link whose rate has varied between chunks pads its transfers: `_link_s`), the earliest
+left (_SLO_SHARE, less on a link whose rate has varied between chunks: `_share`), the earliest
 among equals; when none fits, the earliest. The link fetches its next chunk at
 that plan's level; the CPU computes the front chunk when the plan computes any. When the only
 chunk left is in flight and not due within a piece's compute time, the CPU computes it too, in
@@ -84,14 +84,11 @@ LEVEL_KL: dict[str, float] = {
 _GUESS_RATIO = {"lossless": 0.85, "high": 0.48, "balanced": 0.3, "compact": 0.22}
 _SMOOTHING = 0.3  # weight of the newest throughput sample (and prefill speed)
 _SLO_SHARE = 0.9  # plans fit this share of the time left: estimates are noisy
-# A transfer predicted to take t seconds is planned as t + _SPREAD_Z x cv x sqrt(d x t): cv the
-# spread (coefficient of variation) of the chunk fetches' seconds per byte, d their mean duration.
-# A rate that jumps between chunks averages out over a transfer of many chunks (the padding grows
-# as the square root of its length), a steady link gets none. With fewer than two fetches,
-# _PRIOR_SPREAD stands in for cv and the transfer's own length for d: the skeleton's small fetch
-# says little of the rate a chunk will see, and the first chunk commits the link.
+# ... divided by 1 + _SPREAD_Z x the spread (coefficient of variation) of the chunk fetches'
+# seconds per byte: a link whose rate jumps between chunks leaves room for a slow stretch, a steady
+# one does not (with one sample or none, _PRIOR_SPREAD stands in).
 _SPREAD_Z = 1.0
-_PRIOR_SPREAD = 1.0
+_PRIOR_SPREAD = 0.25
 _PIECE = 32  # tokens per llama_decode call of a text chunk: a computation can stop between pieces
 _TICK_S = 0.05  # the assembly plans again at least this often while it waits for the link
 _LOOKAHEAD = 2  # chunks decided (fetched or planned as text) ahead of the one being assembled
@@ -366,7 +363,6 @@ class _Loader:
         self.ewma_inv: float | None = None  # smoothed seconds per byte of the chunk fetches
         self.sum_bytes, self.sum_s = 0, 0.0  # every chunk fetch so far
         self.invs: list[float] = []  # each chunk fetch's seconds per byte
-        self.fetch_s: list[float] = []  # each chunk fetch's duration
         self.first_inv: float | None = None  # the skeleton's seconds per byte, before any chunk
         self.cpu_free = 0.0  # when the assembly thread will be done with the text chunk it computes
 
@@ -431,7 +427,6 @@ class _Loader:
             self.sum_bytes += job.bytes
             self.sum_s += job.seconds
             self.invs.append(inv)
-            self.fetch_s.append(job.seconds)
 
     def _link_end(self, now: float) -> float:
         """When the fetch in flight is expected to end (now when the link is free); a late one is
@@ -442,16 +437,14 @@ class _Loader:
         end = job.start + job.predicted_s
         return end if end > now else now + (now - end)
 
-    def _link_s(self, nbytes: float) -> float:
-        """The time a plan allows the link for nbytes: the prediction, padded by the rate's spread
-        (the oracle knows the trace: no padding)."""
-        t = self._net_s(nbytes)
+    def _share(self) -> float:
+        """The share of the time left a plan may take (oracle: _SLO_SHARE)."""
         if self.oracle is not None:
-            return t
+            return _SLO_SHARE
+        spread = _PRIOR_SPREAD
         if len(self.invs) >= 2:
-            cv = float(np.std(self.invs) / np.mean(self.invs))
-            return t + _SPREAD_Z * cv * math.sqrt(float(np.mean(self.fetch_s)) * t)
-        return t + _SPREAD_Z * _PRIOR_SPREAD * t
+            spread = float(np.std(self.invs) / np.mean(self.invs))
+        return _SLO_SHARE / (1.0 + _SPREAD_Z * spread)
 
     def _decode_s(self, level: str, nbytes: float) -> float:
         return self.decode_s_per_byte.get(level, 0.0) * nbytes
@@ -470,7 +463,7 @@ class _Loader:
             return None
         assert self.slo_s is not None
         restore_s = len(self.state or b"") / _RESTORE_BPS
-        deadline = now + _SLO_SHARE * (self.t0 + self.slo_s - now) - restore_s
+        deadline = now + self._share() * (self.t0 + self.slo_s - now) - restore_s
         m = len(undecided)
         cpu_free = max(now, self.cpu_free) + sum(
             self._decode_s(j.level, self._size(j.index, j.level)) for j in self.jobs.values()
@@ -488,7 +481,7 @@ class _Loader:
             for x in range(m - 1, -1, -1):
                 tail[x], tail_tokens[x] = tail[x + 1] + sizes[x], tail_tokens[x + 1] + tokens[x]
             for x in texts:
-                link = now if x == m else link_free + self._link_s(tail[x]) + self._decode_s(level, sizes[x])
+                link = now if x == m else link_free + self._net_s(tail[x]) + self._decode_s(level, sizes[x])
                 finish = max(cpu_free + cpu[x] + self._decode_s(level, tail[x]), link)
                 cost = self.kl.get(level, math.inf) * tail_tokens[x]
                 plan = _Plan(level, x, finish, cost, finish <= deadline)
