@@ -20,12 +20,12 @@ at that level) it predicts the finish from
   every chunk computed, plus each fetched chunk's decode time (measured per level);
 - the final restore (state bytes / _RESTORE_BPS),
 and takes the plan with the lowest token-weighted KL that finishes within a share of the time
-left (_SLO_SHARE, less on a link whose rate has varied between chunks: `_share`), the earliest
-among equals; when none fits, the earliest. The link fetches its next chunk at
-that plan's level; the CPU computes the front chunk when the plan computes any. When the only
-chunk left is in flight and not due within a piece's compute time, the CPU computes it too, in
-pieces of _PIECE tokens, and stops as soon as the fetch arrives (a race: a stalled link costs at
-most one chunk's compute time, a fast one at most one piece).
+left (_SLO_SHARE, less on a link whose rate has varied between chunks: `_share`) and at least
+_SLO_FLOOR of the SLO before its end, the earliest among equals; when none fits, the earliest.
+The link fetches its next chunk at that plan's level; the CPU computes the front chunk when the
+plan computes any. When the only chunk left is in flight and not due within a piece's compute
+time, the CPU computes it too, in pieces of _PIECE tokens, and stops as soon as the fetch arrives
+(a race: a stalled link costs at most one chunk's compute time, a fast one at most one piece).
 
 Without `slo_s` (or with a fixed `level`, or no text fallback) chunks are fetched in order, up to
 _LOOKAHEAD ahead. A chunk that fails (connection reset, timeout, missing object, bad checksum or
@@ -84,6 +84,9 @@ LEVEL_KL: dict[str, float] = {
 _GUESS_RATIO = {"lossless": 0.85, "high": 0.48, "balanced": 0.3, "compact": 0.22}
 _SMOOTHING = 0.3  # weight of the newest throughput sample (and prefill speed)
 _SLO_SHARE = 0.9  # plans fit this share of the time left: estimates are noisy
+# ... and end at least this share of the whole SLO early: near the end, a share of the little time
+# left is less than the error of predicting the last fetch, decode and restore.
+_SLO_FLOOR = 0.05
 # ... divided by 1 + _SPREAD_Z x the spread (coefficient of variation) of the chunk fetches'
 # seconds per byte: a link whose rate jumps between chunks leaves room for a slow stretch, a steady
 # one does not (with one sample or none, _PRIOR_SPREAD stands in).
@@ -463,7 +466,8 @@ class _Loader:
             return None
         assert self.slo_s is not None
         restore_s = len(self.state or b"") / _RESTORE_BPS
-        deadline = now + self._share() * (self.t0 + self.slo_s - now) - restore_s
+        end = self.t0 + self.slo_s
+        deadline = min(now + self._share() * (end - now), end - _SLO_FLOOR * self.slo_s) - restore_s
         m = len(undecided)
         cpu_free = max(now, self.cpu_free) + sum(
             self._decode_s(j.level, self._size(j.index, j.level)) for j in self.jobs.values()
