@@ -873,6 +873,29 @@ void interleave_planes(const uint8_t * const * planes, uint32_t unit_bytes, size
     }
 }
 
+// The inverse of interleave_planes: byte b of each of n elements at `elements` into planes[b].
+void deinterleave_planes(const uint8_t * elements, uint32_t unit_bytes, size_t n, uint8_t * const * planes) {
+    size_t k = 0;
+#if defined(__x86_64__)
+    if (unit_bytes == 2) {  // 16 elements: low bytes masked, high bytes shifted down, each packed
+        const __m128i low = _mm_set1_epi16(0xff);
+        for (; k + 16 <= n; k += 16) {
+            const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i *>(elements + 2 * k));
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(elements + 2 * k + 16));
+            _mm_storeu_si128(reinterpret_cast<__m128i *>(planes[0] + k),
+                             _mm_packus_epi16(_mm_and_si128(a, low), _mm_and_si128(b, low)));
+            _mm_storeu_si128(reinterpret_cast<__m128i *>(planes[1] + k),
+                             _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8)));
+        }
+    }
+#endif
+    for (; k < n; k++) {
+        for (uint32_t b = 0; b < unit_bytes; b++) {
+            planes[b][k] = elements[k * unit_bytes + b];
+        }
+    }
+}
+
 void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * base,
                      const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
     const TensorStats & s = dec.stats;
@@ -1081,6 +1104,9 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
             w.put(base + cells[r] * st.cell + u * st.unit, t.unit_bytes);
         }
     }
+    // Room for what is coded (about a byte per symbol at most for lossy levels, the planes for
+    // lossless), so that the buffer is not copied as it grows.
+    w.buf.reserve(w.buf.size() + (s.lossy ? n + n / 8 : n * t.unit_bytes) + 4096);
     // The object's symbols (or byte planes) in its memory order, from the state's; a whole lossy
     // object codes the encoder's own symbols.
     std::vector<uint8_t> sym;
@@ -1152,26 +1178,38 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
         }
         return;
     }
-    const rans::EncTable * enc = e.enc.data();
-    sym.resize(n);
-    symbols = sym.data();
-    for (uint32_t b = 0; b < t.unit_bytes; b++) {
-        for (size_t o = 0, k = 0; o < n_outer(obj); o++) {  // byte b of each element, memory order
-            if (t.transposed) {  // outer = unit
-                const uint8_t * unit = base + o * st.unit + b;
-                for (size_t i = 0; i < n_inner(obj); i++) {
-                    sym[k++] = unit[cells[i] * st.cell];
-                }
-            } else {
-                const uint8_t * row = base + cells[o] * st.cell + b;
-                for (size_t i = 0; i < n_inner(obj); i++) {
-                    sym[k++] = row[i * st.unit];
+    // Every byte plane of the object in memory order, split off line by line where a line's
+    // elements lie side by side in the state (rows; transposed units over a run of cells).
+    const uint32_t ub = t.unit_bytes;
+    sym.resize(n * ub);
+    std::vector<uint8_t *> plane(ub);
+    for (uint32_t b = 0; b < ub; b++) {
+        plane[b] = &sym[b * n];
+    }
+    const size_t n_i = n_inner(obj);
+    std::vector<uint8_t *> at(ub);
+    for (size_t o = 0; o < n_outer(obj); o++) {
+        for (uint32_t b = 0; b < ub; b++) {
+            at[b] = plane[b] + o * n_i;
+        }
+        if (!t.transposed) {
+            deinterleave_planes(base + cells[o] * st.cell, ub, n_i, at.data());
+        } else if (contiguous && !cells.empty()) {
+            deinterleave_planes(base + o * st.unit + cells[0] * st.cell, ub, n_i, at.data());
+        } else {
+            for (size_t i = 0; i < n_i; i++) {
+                for (uint32_t b = 0; b < ub; b++) {
+                    at[b][i] = base[o * st.unit + cells[i] * st.cell + b];
                 }
             }
         }
+    }
+    const rans::EncTable * enc = e.enc.data();
+    for (uint32_t b = 0; b < ub; b++) {
         if (s.plane_stored[b]) {
-            w.put(sym.data(), n);
+            w.put(plane[b], n);
         } else {
+            symbols = plane[b];
             coded(enc);
             enc += s.n_groups;
         }
