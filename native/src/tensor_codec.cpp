@@ -1104,9 +1104,11 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
             w.put(base + cells[r] * st.cell + u * st.unit, t.unit_bytes);
         }
     }
-    // Room for what is coded (about a byte per symbol at most for lossy levels, the planes for
-    // lossless), so that the buffer is not copied as it grows.
-    w.buf.reserve(w.buf.size() + (s.lossy ? n + n / 8 : n * t.unit_bytes) + 4096);
+    // Lossless: room for the planes (what is coded is close to their size), so that the buffer is
+    // not copied as it grows. (Lossy sizes vary too much with the level to guess.)
+    if (!s.lossy) {
+        w.buf.reserve(w.buf.size() + n * t.unit_bytes + 4096);
+    }
     // The object's symbols (or byte planes) in its memory order, from the state's; a whole lossy
     // object codes the encoder's own symbols.
     std::vector<uint8_t> sym;
