@@ -92,8 +92,9 @@ public:
     void u64(uint64_t v) { put_le(v); }
     void f32(float v)    { put_le(v); }
     void varint(uint64_t v);
+    // Fills in a u32 written earlier as a placeholder (a size known only once what follows is written).
+    void u32_at(size_t at, uint32_t v) { std::memcpy(&buf[at], &v, sizeof(v)); }
 };
-
 
 // CRC32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
 uint32_t crc32c(const void * data, size_t size, uint32_t crc = 0);

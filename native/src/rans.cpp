@@ -182,14 +182,15 @@ void encode_stream(const SymbolMatrix & m, uint32_t slice_elements, int counted_
         encode_slice(m, k0, k1, w);
         const size_t bytes = w.buf.size() - start;
         LCG_CHECK(bytes <= UINT32_MAX, LCG_ERR_LIMIT, "a slice of %zu bytes", bytes);
-        uint32_t fields[2] = {static_cast<uint32_t>(bytes), 0};
+        w.u32_at(directory + s * entry, static_cast<uint32_t>(bytes));
         if (counted_symbol >= 0) {  // a rare symbol (escapes): memchr skips to each
-            for (const void * p = std::memchr(m.sym + k0, counted_symbol, k1 - k0); p != nullptr; fields[1]++) {
+            uint32_t count = 0;
+            for (const void * p = std::memchr(m.sym + k0, counted_symbol, k1 - k0); p != nullptr; count++) {
                 const uint8_t * next = static_cast<const uint8_t *>(p) + 1;
                 p = next < m.sym + k1 ? std::memchr(next, counted_symbol, static_cast<size_t>(m.sym + k1 - next)) : nullptr;
             }
+            w.u32_at(directory + s * entry + 4, count);
         }
-        std::memcpy(&w.buf[directory + s * entry], fields, entry);  // little-endian u32s, as ByteWriter
     }
 }
 

@@ -516,13 +516,12 @@ void prepare_lossless(const uint8_t * base, const TensorDesc & t, TensorEncoder 
         }
     }
     for (uint32_t b = 0; b < t.unit_bytes; b++) {
-        const uint32_t * counts_b = &plane_counts[static_cast<size_t>(b) * s.n_groups * 256];
-        std::vector<uint32_t> counts(counts_b, counts_b + static_cast<size_t>(s.n_groups) * 256);
         std::vector<rans::Table> tables(s.n_groups);
         double bits = 8.0 * rans::STATE_BYTES;
         for (uint32_t gi = 0; gi < s.n_groups; gi++) {
-            rans::build_table(&counts[static_cast<size_t>(gi) * 256], tables[gi]);
-            bits += rans::coded_bits(&counts[static_cast<size_t>(gi) * 256], tables[gi]) +
+            const uint32_t * counts = &plane_counts[(static_cast<size_t>(b) * s.n_groups + gi) * 256];
+            rans::build_table(counts, tables[gi]);
+            bits += rans::coded_bits(counts, tables[gi]) +
                     8.0 * (2 + 1.5 * (tables[gi].last - tables[gi].first + 1));
         }
         // Mantissa bytes are close to uniform: their tables would cost more than coding saves.
@@ -915,9 +914,9 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
         }
     };
     // Where each outer line's elements lie side by side in the destination (always for rows; for
-    // transposed units, where the cells are a run), the planes are decoded whole and interleaved line by line at the end
-    // (a byte-by-byte put_plane was most of the lossless decode time).
-    bool lines = (obj.transposed ? ds.cell : ds.unit) == obj.unit_bytes;
+    // transposed units, where the cells are a run), the planes are decoded whole and interleaved
+    // line by line at the end (a byte-by-byte put_plane was most of the lossless decode time).
+    bool lines = true;
     for (size_t i = 1; i < row_cell.size() && lines && obj.transposed; i++) {
         lines = row_cell[i] == row_cell[0] + i;
     }
@@ -1139,8 +1138,7 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
                             s.lossy ? SYM_ESCAPE : -1, w);
         const size_t bytes = w.buf.size() - at - 4;
         LCG_CHECK(bytes <= UINT32_MAX, LCG_ERR_LIMIT, "a stream of %zu bytes (at most 4 GiB per tensor)", bytes);
-        const uint32_t size32 = static_cast<uint32_t>(bytes);
-        std::memcpy(&w.buf[at], &size32, 4);
+        w.u32_at(at, static_cast<uint32_t>(bytes));
     };
     if (s.lossy) {
         const size_t state_inner = t.transposed ? t.n_cells : t.n_units;
