@@ -113,6 +113,20 @@ def test_round_trip_and_threads(name: str) -> None:
             assert out[-tail:] == state[-tail:]
 
 
+def _assembled(chunker: lcg.codec.Chunker, state: bytes, cells: int, size: int) -> bytearray:
+    """The state rebuilt from its skeleton and the chunker's chunks of `size` positions, decoded
+    last first (any order works)."""
+    stats = chunker.stats()
+    stats_id = hashlib.sha256(stats).digest()
+    opened = lcg.codec.Stats(stats, stats_id)
+    out = lcg.codec.skeleton_state(lcg.codec.encode_skeleton(state), cells)
+    assert len(out) == len(state)
+    bounds = [*range(0, cells, size), cells]
+    for begin, end in reversed(list(zip(bounds, bounds[1:], strict=False))):
+        lcg.codec.decode_chunk(chunker.chunk(begin, end, stats_id), opened, out)
+    return out
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 32, 100])
 @pytest.mark.parametrize("level", LEVELS)
 def test_chunks_decode_to_the_whole_containers_state(chunk: int, level: str) -> None:
@@ -120,15 +134,7 @@ def test_chunks_decode_to_the_whole_containers_state(chunk: int, level: str) -> 
     for cells, channels, v_trans in [(300, 64, True), (300, 64, False), (37, 24, True), (5, 1, False)]:
         state = _state(cells, channels, v_trans, "outliers")
         chunker = lcg.codec.Chunker(state, level, slice_elements=SLICES[chunk % len(SLICES)])
-        stats = chunker.stats()
-        stats_id = hashlib.sha256(stats).digest()
-        opened = lcg.codec.Stats(stats, stats_id)
-        skeleton = lcg.codec.encode_skeleton(state)
-        out = lcg.codec.skeleton_state(skeleton, cells)
-        assert len(out) == len(state)
-        bounds = list(range(0, cells, chunk)) + [cells]
-        for begin, end in reversed(list(zip(bounds, bounds[1:], strict=False))):  # any order
-            lcg.codec.decode_chunk(chunker.chunk(begin, end, stats_id), opened, out)
+        out = _assembled(chunker, state, cells, chunk)
         assert out == lcg.decode(lcg.encode(state, level))
         if level == "lossless":
             assert out == state
@@ -143,14 +149,7 @@ def test_chunks_of_cells_out_of_position_order(level: str) -> None:
         for i in range(cells):  # seq buffer header (8), streams and cells (8), then 12 bytes a cell
             struct.pack_into("<i", state, 16 + 12 * i, cells - 1 - i)
         state = bytes(state)
-        chunker = lcg.codec.Chunker(state, level)
-        stats = chunker.stats()
-        stats_id = hashlib.sha256(stats).digest()
-        opened = lcg.codec.Stats(stats, stats_id)
-        out = lcg.codec.skeleton_state(lcg.codec.encode_skeleton(state), cells)
-        bounds = [*range(0, cells, 64), cells]
-        for begin, end in zip(bounds, bounds[1:], strict=False):
-            lcg.codec.decode_chunk(chunker.chunk(begin, end, stats_id), opened, out)
+        out = _assembled(lcg.codec.Chunker(state, level), state, cells, 64)
         assert out == lcg.decode(lcg.encode(state, level))
         if level == "lossless":
             assert out == state
@@ -172,16 +171,9 @@ def test_anchor_delta_transform(level: str) -> None:
         err = np.mean((_last_tensor(lcg.decode(blob), cells * channels) - values) ** 2)
         assert err <= 1.05 * err_plain, (err, err_plain)
         chunker = lcg.codec.Chunker(state, level, **knobs)
-        stats = chunker.stats()
-        sid = hashlib.sha256(stats).digest()
-        opened = lcg.codec.Stats(stats, sid)
-        out = lcg.codec.skeleton_state(lcg.codec.encode_skeleton(state), cells)
-        bounds = [*range(0, cells, 12), cells]
-        for begin, end in zip(bounds, bounds[1:], strict=False):
-            lcg.codec.decode_chunk(chunker.chunk(begin, end, sid), opened, out)
-        assert out == lcg.decode(blob)
+        assert _assembled(chunker, state, cells, 12) == lcg.decode(blob)
         with pytest.raises(lcg.InvalidArgumentError, match="multiple of 4"):
-            chunker.chunk(2, 8, sid)
+            chunker.chunk(2, 8, hashlib.sha256(chunker.stats()).digest())
     with pytest.raises(lcg.InvalidArgumentError, match="unknown transform"):
         lcg.encode(state, level, transform="pca")
 
