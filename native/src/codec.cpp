@@ -91,14 +91,16 @@ std::vector<std::vector<uint8_t>> sink_flags(const ParsedState & st, const Encod
     return is_sink;
 }
 
+void prepare_one(const uint8_t * state, const ParsedState & st, const EncodeOptions & opt,
+                 const std::vector<std::vector<uint8_t>> & is_sink, size_t i, TensorEncoder & e) {
+    const TensorDesc & t = st.tensors[i];
+    prepare_tensor(state, t, opt.level == LCG_LEVEL_LOSSLESS ? nullptr : &opt.knobs, is_sink[t.cell_group], e);
+}
+
 std::vector<TensorEncoder> prepare_tensors(const uint8_t * state, const ParsedState & st, const EncodeOptions & opt,
                                            const std::vector<std::vector<uint8_t>> & is_sink) {
     std::vector<TensorEncoder> enc(st.tensors.size());
-    parallel_for(st.tensors.size(), opt.n_threads, [&](size_t i) {
-        const TensorDesc & t = st.tensors[i];
-        prepare_tensor(state, t, opt.level == LCG_LEVEL_LOSSLESS ? nullptr : &opt.knobs, is_sink[t.cell_group],
-                       enc[i]);
-    });
+    parallel_for(st.tensors.size(), opt.n_threads, [&](size_t i) { prepare_one(state, st, opt, is_sink, i, enc[i]); });
     return enc;
 }
 
@@ -250,10 +252,11 @@ uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions &
     LCG_CHECK(size <= LCG_MAX_STATE_SIZE, LCG_ERR_LIMIT, "state of %zu bytes", size);
     const ParsedState st = parse_state(state, size, opt.state_kind);
     const auto is_sink = sink_flags(st, opt);
-    const std::vector<TensorEncoder> enc = prepare_tensors(state, st, opt, is_sink);
+    std::vector<TensorEncoder> enc(st.tensors.size());
     std::vector<std::vector<uint8_t>> rows(st.tensors.size());
     parallel_for(st.tensors.size(), opt.n_threads, [&](size_t i) {
         const TensorDesc & t = st.tensors[i];
+        prepare_one(state, st, opt, is_sink, i, enc[i]);
         std::vector<uint32_t> cells(t.n_cells);
         for (uint32_t c = 0; c < t.n_cells; c++) {
             cells[c] = c;
@@ -261,6 +264,10 @@ uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions &
         ByteWriter w;
         encode_rows(state, t, enc[i], cells, is_sink[t.cell_group], opt.slice_elements, w);
         rows[i] = std::move(w.buf);
+        // A tensor's symbols serve only its rows: freed now, the next tensor's reuse the memory
+        // (all held at once they were half the state's size, fresh pages on every encode).
+        enc[i].sym.reset();
+        enc[i].escapes = {};
     });
     std::vector<SectionPayload> sections = state_sections(state, st, stored_knobs(opt));
     for (uint32_t i = 0; i < st.tensors.size(); i++) {

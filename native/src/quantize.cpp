@@ -236,10 +236,13 @@ void quantize_row_scalar(const float * v, uint32_t gn, const float * mean, const
 }
 
 #if defined(__x86_64__)
-// The same, 8 values at a time (gn a multiple of 8); a lane holding an escape goes the scalar way.
-__attribute__((target("avx2"))) void quantize_row_avx2(const float * v, uint32_t gn, const float * mean,
-                                                        const float * inv_step, uint32_t cell, uint8_t * out,
-                                                        ShrinkSum & shrink, std::vector<Escape> & escapes) {
+// The same for all rows, 8 values at a time (gn a multiple of 8, at most MAX_GROUP); a lane
+// holding an escape goes the scalar way. One loop over the rows with the group's means and steps
+// held in registers: a group is often a single vector per row (8 channels).
+__attribute__((target("avx2"))) void quantize_rows_avx2(const float * values, size_t n, uint32_t gn,
+                                                         const float * mean, const float * inv_step,
+                                                         const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink,
+                                                         std::vector<Escape> & escapes) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 limit = _mm256_set1_ps(127.5f);
     const __m256 fixed_scale = _mm256_set1_ps(65536.0f);
@@ -248,32 +251,47 @@ __attribute__((target("avx2"))) void quantize_row_avx2(const float * v, uint32_t
     const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     const __m256i join = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
+    const uint32_t n_vec = gn / 8;
+    __m256 m[MAX_GROUP / 8], is[MAX_GROUP / 8];
+    for (uint32_t j = 0; j < n_vec; j++) {
+        m[j] = _mm256_loadu_ps(mean + 8 * j);
+        is[j] = _mm256_loadu_ps(inv_step + 8 * j);
+    }
     __m256i acc = _mm256_setzero_si256();
-    for (uint32_t g = 0; g < gn; g += 8) {
-        const __m256 r = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + g), _mm256_loadu_ps(mean + g)),
-                                       _mm256_loadu_ps(inv_step + g));
-        const __m256 a = _mm256_andnot_ps(sign, r);
-        const __m256 escaped = _mm256_cmp_ps(a, limit, _CMP_NLT_UQ);
-        const __m256 qf = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(qf), bias);
-        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q, pick), join);
-        _mm_storel_epi64(reinterpret_cast<__m128i *>(out + g), _mm256_castsi256_si128(bytes));
-        const __m256 nonzero = _mm256_andnot_ps(escaped, _mm256_cmp_ps(qf, _mm256_setzero_ps(), _CMP_NEQ_OQ));
-        const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_andnot_ps(sign, qf), a), fixed_scale);
-        const __m256i fixed = _mm256_and_si256(
-            _mm256_cvtps_epi32(_mm256_round_ps(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
-            _mm256_castps_si256(nonzero));
-        acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(fixed)));
-        acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(fixed, 1)));
-        shrink.count += static_cast<uint64_t>(__builtin_popcount(_mm256_movemask_ps(nonzero)));
-        for (uint32_t m = static_cast<uint32_t>(_mm256_movemask_ps(escaped)); m != 0; m &= m - 1) {
-            const uint32_t k = g + static_cast<uint32_t>(__builtin_ctz(m));
-            quantize_value((v[k] - mean[k]) * inv_step[k], k, cell, out[k], shrink, escapes);
+    uint64_t count = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint8_t * out = sym + i * gn;
+        if (skip[i]) {
+            std::memset(out, SYM_ZERO, gn);
+            continue;
+        }
+        const float * v = values + i * gn;
+        for (uint32_t j = 0; j < n_vec; j++) {
+            const __m256 r = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + 8 * j), m[j]), is[j]);
+            const __m256 a = _mm256_andnot_ps(sign, r);
+            const __m256 escaped = _mm256_cmp_ps(a, limit, _CMP_NLT_UQ);
+            const __m256 qf = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(qf), bias);
+            const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q, pick), join);
+            _mm_storel_epi64(reinterpret_cast<__m128i *>(out + 8 * j), _mm256_castsi256_si128(bytes));
+            const __m256 nonzero = _mm256_andnot_ps(escaped, _mm256_cmp_ps(qf, _mm256_setzero_ps(), _CMP_NEQ_OQ));
+            const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_andnot_ps(sign, qf), a), fixed_scale);
+            const __m256i fixed = _mm256_and_si256(
+                _mm256_cvtps_epi32(_mm256_round_ps(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                _mm256_castps_si256(nonzero));
+            acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(fixed)));
+            acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(fixed, 1)));
+            count += static_cast<uint64_t>(__builtin_popcount(_mm256_movemask_ps(nonzero)));
+            for (uint32_t e = static_cast<uint32_t>(_mm256_movemask_ps(escaped)); e != 0; e &= e - 1) {
+                const uint32_t k = 8 * j + static_cast<uint32_t>(__builtin_ctz(e));
+                quantize_value((v[k] - mean[k]) * inv_step[k], k, static_cast<uint32_t>(i), out[k], shrink, escapes);
+            }
         }
     }
     alignas(32) int64_t lanes[4];
     _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), acc);
     shrink.fixed += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    shrink.count += count;
 }
 
 __attribute__((target("avx2,f16c"))) void f16_row_to_f32_f16c(const uint8_t * src, size_t n, float * dst) {
@@ -288,16 +306,25 @@ __attribute__((target("avx2,f16c"))) void f16_row_to_f32_f16c(const uint8_t * sr
     }
 }
 
+
+__attribute__((target("avx2,f16c"))) void f16_rows_to_f32_f16c(const uint8_t * src, size_t stride, size_t n,
+                                                                uint32_t gn, float * dst) {
+    for (size_t i = 0; i < n; i++) {
+        for (uint32_t g = 0; g < gn; g += 8) {
+            const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(src + i * stride + 2 * g));
+            _mm256_storeu_ps(dst + i * gn + g, _mm256_cvtph_ps(h));
+        }
+    }
+}
 #endif
 
 } // namespace
 
 void quantize_rows(const float * values, size_t n, uint32_t gn, const float * mean, const float * inv_step,
                    const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink, std::vector<Escape> & escapes) {
-    auto row = quantize_row_scalar;
 #if defined(__x86_64__)
-    if (cpu_has_avx2 && gn % 8 == 0) {
-        row = quantize_row_avx2;
+    if (cpu_has_avx2 && gn % 8 == 0 && gn <= MAX_GROUP) {
+        return quantize_rows_avx2(values, n, gn, mean, inv_step, skip, sym, shrink, escapes);
     }
 #endif
     for (size_t i = 0; i < n; i++) {
@@ -305,7 +332,7 @@ void quantize_rows(const float * values, size_t n, uint32_t gn, const float * me
         if (skip[i]) {
             std::memset(out, SYM_ZERO, gn);
         } else {
-            row(values + i * gn, gn, mean, inv_step, static_cast<uint32_t>(i), out, shrink, escapes);
+            quantize_row_scalar(values + i * gn, gn, mean, inv_step, static_cast<uint32_t>(i), out, shrink, escapes);
         }
     }
 }
@@ -321,6 +348,18 @@ void f16_row_to_f32(const uint8_t * src, size_t n, float * dst) {
         uint16_t h;
         std::memcpy(&h, src + 2 * k, 2);
         dst[k] = f16_to_f32(h);
+    }
+}
+
+void f16_rows_to_f32(const uint8_t * src, size_t stride, size_t n, uint32_t gn, float * dst) {
+#if defined(__x86_64__)
+    if (cpu_has_avx2) {
+        f16_rows_to_f32_f16c(src, stride, n, gn, dst);
+        return;
+    }
+#endif
+    for (size_t i = 0; i < n; i++) {
+        f16_row_to_f32(src + i * stride, gn, dst + i * gn);
     }
 }
 

@@ -118,6 +118,9 @@ struct ShrinkSum {
     uint64_t count = 0;
 };
 
+// Channels of one quantization group (one step, one table) at most.
+constexpr uint32_t MAX_GROUP = 32;
+
 // Quantizes n rows of gn values (row i = cell i, cell-major) to symbols with q = round(r),
 // r = (value - mean) / step, ties to even. Rows with skip[i] become SYM_ZERO. Uses AVX2 where the
 // CPU has it and gn is a multiple of 8; both paths give the same bytes.
@@ -126,5 +129,8 @@ void quantize_rows(const float * values, size_t n, uint32_t gn, const float * me
 
 // Converts n f16 values to float (F16C where the CPU has it).
 void f16_row_to_f32(const uint8_t * src, size_t n, float * dst);
+
+// Gathers gn f16 values (a multiple of 8) at src + i * stride for each of n rows into n x gn floats.
+void f16_rows_to_f32(const uint8_t * src, size_t stride, size_t n, uint32_t gn, float * dst);
 
 } // namespace lcg

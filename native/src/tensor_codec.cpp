@@ -21,7 +21,6 @@ constexpr uint8_t CODING_LOSSY = 1;
 // misread.
 constexpr uint16_t TRANSFORM_NONE = 0;
 constexpr uint16_t TRANSFORM_ANCHOR_DELTA = 1;
-constexpr uint32_t MAX_GROUP = 32;
 
 // Units per table: the fewest, from 8 up to 32, whose table covers ~16K symbols of the whole
 // state, so that tables stay near 1% of the coded size. A multiple of 8: an AVX2 vector of 8
@@ -153,8 +152,11 @@ void load_values(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32
         }
         return;
     }
+    if (t.ggml_type == GGML_F16 && gn % 8 == 0) {
+        return f16_rows_to_f32(base + u0 * 2, st.cell, t.n_cells, gn, out);
+    }
     for (size_t i = 0; i < t.n_cells; i++) {
-        if (t.ggml_type == GGML_F16 && !t.transposed) {
+        if (t.ggml_type == GGML_F16) {
             f16_row_to_f32(base + i * st.cell + u0 * 2, gn, out + i * gn);
             continue;
         }
@@ -196,15 +198,24 @@ double reference_budget(const uint8_t * base, const TensorDesc & t, const QuantK
     const size_t stride = (cells.size() + MAX_SAMPLE - 1) / MAX_SAMPLE;
     const size_t n_rows = (cells.size() + stride - 1) / stride;
     std::vector<float> rows(n_rows * t.n_units);
-    for (size_t r = 0; r < n_rows; r++) {
-        const uint8_t * cell = base + cells[r * stride] * st.cell;
-        float * row = &rows[r * t.n_units];
-        if (t.ggml_type == GGML_F16 && !t.transposed) {
-            f16_row_to_f32(cell, t.n_units, row);
-            continue;
-        }
+    if (t.transposed) {  // unit by unit: each unit's cells are one contiguous run
         for (uint32_t u = 0; u < t.n_units; u++) {
-            row[u] = load_float(cell + u * st.unit, t.ggml_type);
+            const uint8_t * unit = base + u * st.unit;
+            for (size_t r = 0; r < n_rows; r++) {
+                rows[r * t.n_units + u] = load_float(unit + cells[r * stride] * st.cell, t.ggml_type);
+            }
+        }
+    } else {
+        for (size_t r = 0; r < n_rows; r++) {
+            const uint8_t * cell = base + cells[r * stride] * st.cell;
+            float * row = &rows[r * t.n_units];
+            if (t.ggml_type == GGML_F16) {
+                f16_row_to_f32(cell, t.n_units, row);
+                continue;
+            }
+            for (uint32_t u = 0; u < t.n_units; u++) {
+                row[u] = load_float(cell + u * st.unit, t.ggml_type);
+            }
         }
     }
     const double err = reference_sq_error(rows.data(), n_rows, t.n_units, k.ref_type, reference_rotation(t));
@@ -364,7 +375,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     s.mean_f16.resize(t.n_units);
     s.step_f16.resize(s.n_groups);
     s.shrink_u8.resize(s.n_groups);
-    e.sym.resize(n * t.n_units);
+    e.sym.reset(new uint8_t[n * t.n_units]);
     // One group's values, cell-major, loaded twice (statistics, then quantization) rather than the
     // whole tensor's floats held at once (twice an f16 tensor's size per encoding thread: 400 MB for
     // one K tensor of a 7B model's 100K-token context); measured as fast. Loaded before use.

@@ -7,6 +7,7 @@
 #include "rans.h"
 #include "state_format.h"
 
+#include <memory>
 #include <vector>
 
 namespace lcg {
@@ -34,7 +35,7 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & t);
 // Everything the encoder derives from the whole tensor once, to code any subset of its cells.
 struct TensorEncoder {
     TensorStats stats;
-    std::vector<uint8_t> sym;                         // lossy: one symbol per element, state order
+    std::unique_ptr<uint8_t[]> sym;  // lossy: one symbol per element, state order (each written once: no zeroing)
     std::vector<std::pair<uint64_t, int64_t>> escapes;  // lossy: (element index in state order, q), sorted
     std::vector<rans::EncTable> enc;                  // one per table
 };
