@@ -9,7 +9,7 @@
 #include <thread>
 
 #if defined(__x86_64__)
-#include <nmmintrin.h>
+#include <immintrin.h>
 #endif
 
 namespace lcg {
@@ -201,6 +201,36 @@ const bool cpu_has_avx2 =
 #else
 const bool cpu_has_avx2 = false;
 #endif
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static size_t find_byte_avx2(const uint8_t * p, size_t n, uint8_t b,
+                                                             std::vector<size_t> & at) {
+    const __m256i needle = _mm256_set1_epi8(static_cast<char>(b));
+    size_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p + k));
+        for (uint32_t m = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, needle))); m != 0;
+             m &= m - 1) {
+            at.push_back(k + static_cast<size_t>(__builtin_ctz(m)));
+        }
+    }
+    return k;
+}
+#endif
+
+void find_byte(const uint8_t * p, size_t n, uint8_t b, std::vector<size_t> & at) {
+    size_t k = 0;
+#if defined(__x86_64__)
+    if (cpu_has_avx2) {
+        k = find_byte_avx2(p, n, b, at);
+    }
+#endif
+    for (; k < n; k++) {
+        if (p[k] == b) {
+            at.push_back(k);
+        }
+    }
+}
 
 // ---- threads ---------------------------------------------------------------------------------
 

@@ -176,6 +176,11 @@ void encode_stream(const SymbolMatrix & m, uint32_t slice_elements, int counted_
     // The directory is filled in once the slices, written straight after it, are sized.
     const size_t directory = w.buf.size();
     w.buf.resize(directory + n_slices * entry);
+    std::vector<size_t> counted;  // positions of the counted symbol (escapes: rare)
+    if (counted_symbol >= 0) {
+        find_byte(m.sym, n, static_cast<uint8_t>(counted_symbol), counted);
+    }
+    size_t next_counted = 0;
     for (size_t s = 0; s < n_slices; s++) {
         const size_t k0 = s * slice_elements, k1 = std::min(n, k0 + slice_elements);
         const size_t start = w.buf.size();
@@ -183,13 +188,12 @@ void encode_stream(const SymbolMatrix & m, uint32_t slice_elements, int counted_
         const size_t bytes = w.buf.size() - start;
         LCG_CHECK(bytes <= UINT32_MAX, LCG_ERR_LIMIT, "a slice of %zu bytes", bytes);
         w.u32_at(directory + s * entry, static_cast<uint32_t>(bytes));
-        if (counted_symbol >= 0) {  // a rare symbol (escapes): memchr skips to each
-            uint32_t count = 0;
-            for (const void * p = std::memchr(m.sym + k0, counted_symbol, k1 - k0); p != nullptr; count++) {
-                const uint8_t * next = static_cast<const uint8_t *>(p) + 1;
-                p = next < m.sym + k1 ? std::memchr(next, counted_symbol, static_cast<size_t>(m.sym + k1 - next)) : nullptr;
+        if (counted_symbol >= 0) {
+            const size_t first = next_counted;
+            while (next_counted < counted.size() && counted[next_counted] < k1) {
+                next_counted++;
             }
-            w.u32_at(directory + s * entry + 4, count);
+            w.u32_at(directory + s * entry + 4, static_cast<uint32_t>(next_counted - first));
         }
     }
 }

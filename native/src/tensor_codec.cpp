@@ -1168,24 +1168,20 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
             symbols = sym.data();
         }
         coded(e.enc.data());
-        // The escaped values, in the object's order: memchr finds each escape symbol; its value is
-        // the entry after the previous one when the rows run in state order (whole objects and
-        // chunks of contiguous cells), else found by binary search.
-        std::vector<int64_t> esc;
+        // The escaped values, in the object's order: each escape symbol's value is the entry after
+        // the previous one when the rows run in state order (whole objects and chunks of
+        // contiguous cells), else found by binary search.
+        std::vector<size_t> escaped;
+        find_byte(symbols, n, SYM_ESCAPE, escaped);
+        w.varint(escaped.size());
         auto entry = e.escapes.begin();
-        for (const void * p = std::memchr(symbols, SYM_ESCAPE, n); p != nullptr;) {
-            const size_t k = static_cast<size_t>(static_cast<const uint8_t *>(p) - symbols);
-            const RowUnit ru = row_unit(obj, k);
+        for (size_t j = 0; j < escaped.size(); j++) {
+            const RowUnit ru = row_unit(obj, escaped[j]);
             const uint64_t at = state_index(t, cells[ru.row], ru.unit);
-            if (esc.empty() || entry + 1 == e.escapes.end() || (++entry)->first != at) {
+            if (j == 0 || entry + 1 == e.escapes.end() || (++entry)->first != at) {
                 entry = std::lower_bound(e.escapes.begin(), e.escapes.end(), std::make_pair(at, INT64_MIN));
             }
-            esc.push_back(entry->second);
-            p = k + 1 < n ? std::memchr(symbols + k + 1, SYM_ESCAPE, n - k - 1) : nullptr;
-        }
-        w.varint(esc.size());
-        for (int64_t q : esc) {
-            w.varint(escape_code(q));
+            w.varint(escape_code(entry->second));
         }
         return;
     }
