@@ -147,6 +147,95 @@ __attribute__((target("avx2"))) void hadamard_avx2(float * x, uint32_t n) {
 }
 #endif
 
+#if defined(__x86_64__)
+// The largest (smallest) of 8 lanes, in every lane.
+__attribute__((target("avx2"), always_inline)) inline __m256 max_all_lanes(__m256 a) {
+    a = _mm256_max_ps(a, _mm256_permute2f128_ps(a, a, 1));
+    a = _mm256_max_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm256_max_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+__attribute__((target("avx2"), always_inline)) inline __m256 min_all_lanes(__m256 a) {
+    a = _mm256_min_ps(a, _mm256_permute2f128_ps(a, a, 1));
+    a = _mm256_min_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm256_min_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+// block_sq_error, 8 values at a time with the same float operations per value, the squares added
+// into the same four partial sums (lane j of a 4-double vector is part[j & 3]) in the same order.
+__attribute__((target("avx2"))) double block_sq_error_avx2(const float * x, int32_t type) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+    }
+    __m256 e[4];
+    if (type == GGML_Q8_0 || type == GGML_Q4_0) {
+        __m256 amax = _mm256_andnot_ps(sign, v[0]);
+        for (int k = 1; k < 4; k++) {
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+        }
+        const float a = _mm256_cvtss_f32(max_all_lanes(amax));
+        if (type == GGML_Q8_0) {
+            const float d = a / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const __m256 idv = _mm256_set1_ps(id), dh = _mm256_set1_ps(f16_round(d));
+            const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+            for (int k = 0; k < 4; k++) {
+                // roundf: half-way cases away from zero
+                const __m256 r = _mm256_mul_ps(v[k], idv);
+                const __m256 t = _mm256_round_ps(r, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(r, t)), half, _CMP_GE_OQ);
+                const __m256 q = _mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, r))));
+                e[k] = _mm256_sub_ps(v[k], _mm256_mul_ps(q, dh));
+            }
+        } else {
+            // the value of the first largest |x|, as the scalar loop keeps it (+0 when all are zero)
+            float max = 0.0f;
+            for (int j = 0; j < 32 && a != 0.0f; j++) {
+                if (std::fabs(x[j]) == a) {
+                    max = x[j];
+                    break;
+                }
+            }
+            const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const __m256 idv = _mm256_set1_ps(id), dh = _mm256_set1_ps(f16_round(d));
+            const __m256i fifteen = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+            for (int k = 0; k < 4; k++) {
+                const __m256i q = _mm256_min_epi32(
+                    fifteen, _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(v[k], idv), _mm256_set1_ps(8.5f))));
+                e[k] = _mm256_sub_ps(v[k], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, eight)), dh));
+            }
+        }
+    } else {  // q5_1
+        __m256 lo = v[0], hi = v[0];
+        for (int k = 1; k < 4; k++) {
+            lo = _mm256_min_ps(lo, v[k]);
+            hi = _mm256_max_ps(hi, v[k]);
+        }
+        const float l = _mm256_cvtss_f32(min_all_lanes(lo)), h = _mm256_cvtss_f32(max_all_lanes(hi));
+        const float d = (h - l) / 31.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 idv = _mm256_set1_ps(id), lov = _mm256_set1_ps(l);
+        const __m256 dh = _mm256_set1_ps(f16_round(d)), mh = _mm256_set1_ps(f16_round(l));
+        const __m256i thirty_one = _mm256_set1_epi32(31);
+        for (int k = 0; k < 4; k++) {
+            const __m256i q = _mm256_min_epi32(
+                thirty_one,
+                _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v[k], lov), idv), _mm256_set1_ps(0.5f))));
+            e[k] = _mm256_sub_ps(v[k], _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), dh), mh));
+        }
+    }
+    __m256d part = _mm256_setzero_pd();
+    for (int k = 0; k < 4; k++) {
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(e[k]));
+        const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(e[k], 1));
+        part = _mm256_add_pd(part, _mm256_mul_pd(lo, lo));
+        part = _mm256_add_pd(part, _mm256_mul_pd(hi, hi));
+    }
+    alignas(32) double p[4];
+    _mm256_store_pd(p, part);
+    return (p[0] + p[1]) + (p[2] + p[3]);
+}
+#endif
+
 // Element-wise float work and double sums in a fixed order: the AVX2 build gives the same result.
 template <bool AVX2>
 __attribute__((always_inline)) inline double reference_sq_error_body(const float * rows, size_t n_rows,
@@ -166,6 +255,12 @@ __attribute__((always_inline)) inline double reference_sq_error_body(const float
             hadamard(row.data() + b, rot);
         }
         for (uint32_t b = 0; b + 32 <= n_units; b += 32) {
+#if defined(__x86_64__)
+            if (AVX2) {
+                err += block_sq_error_avx2(row.data() + b, ref_type);
+                continue;
+            }
+#endif
             err += block_sq_error(row.data() + b, ref_type);
         }
     }
