@@ -142,14 +142,20 @@ def test_eval_reports_quality_per_level_and_llama_cpp_types() -> None:
     assert set(rows) == {
         "llama-cachegen lossless",
         "llama-cachegen balanced",
+        "llama.cpp f16, flash attention (noise floor)",
         "llama.cpp q8_0",
         "llama.cpp q5_1",
     }
+    # the floor: an exact f16 cache computed another way moves the logits, less than q5_1 does
+    assert result["floor_kl"] == rows["llama.cpp f16, flash attention (noise floor)"]["kl"]
+    assert 0 <= result["floor_kl"] < rows["llama.cpp q5_1"]["kl"]
     assert rows["llama-cachegen lossless"]["kl"] < 1e-9 and rows["llama-cachegen lossless"]["top1"] == 1.0
     assert rows["llama-cachegen balanced"]["ratio"] > rows["llama-cachegen lossless"]["ratio"]
     assert 0 < rows["llama.cpp q8_0"]["kl"] < rows["llama.cpp q5_1"]["kl"] < 0.1
     (promise,) = result["promises"].values()  # balanced vs q5_1: the verdict follows the figures
     assert promise["reference"] == "q5_1" and promise["holds"] == (promise["kl"] <= promise["reference_kl"])
+    worst = max(promise["kl"], promise["reference_kl"])
+    assert promise["within_floor"] == (worst <= 1.5 * result["floor_kl"])
 
 
 def test_in_place_overwrite_needs_force_and_is_atomic(slot_file: Path, tmp_path: Path) -> None:
