@@ -21,7 +21,7 @@ LEVELS = ("lossless", "high", "balanced", "compact")
 # any length below it).
 SLICES = (None, 32, 96)
 # (cells, channels, v_trans): 1 token, 1 channel, cells and channels that are not multiples of
-# 32 / 8 / 4, and the SmolLM2 shape.
+# 32 / 8 / 4, the SmolLM2 shape, and more rows than the quantizer sums in 32 bits (8,192).
 SHAPES = [
     (1, 64, False),
     (1, 64, True),
@@ -32,6 +32,7 @@ SHAPES = [
     (300, 64, False),
     (256, 192, True),
     (9, 3, True),
+    (8200, 32, True),
 ]
 
 

@@ -331,6 +331,16 @@ void quantize_row_scalar(const float * v, uint32_t gn, const float * mean, const
 }
 
 #if defined(__x86_64__)
+// Adds 8 signed (acc32) and 8 unsigned (count32) 32-bit lanes into 4-lane 64-bit sums; zeroes them.
+__attribute__((target("avx2"), always_inline)) inline void flush_sums(__m256i & acc, __m256i & acc32, __m256i & count,
+                                                                      __m256i & count32) {
+    acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc32)));
+    acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(acc32, 1)));
+    count = _mm256_add_epi64(count, _mm256_cvtepu32_epi64(_mm256_castsi256_si128(count32)));
+    count = _mm256_add_epi64(count, _mm256_cvtepu32_epi64(_mm256_extracti128_si256(count32, 1)));
+    acc32 = count32 = _mm256_setzero_si256();
+}
+
 // The same for all rows, 8 values at a time (gn a multiple of 8, at most MAX_GROUP); a lane
 // holding an escape goes the scalar way. One loop over the rows with the group's means and steps
 // held in registers: a group is often a single vector per row (8 channels).
@@ -352,9 +362,15 @@ __attribute__((target("avx2"))) void quantize_rows_avx2(const float * values, si
         m[j] = _mm256_loadu_ps(mean + 8 * j);
         is[j] = _mm256_loadu_ps(inv_step + 8 * j);
     }
-    __m256i acc = _mm256_setzero_si256();
-    uint64_t count = 0;
+    // Per lane: offsets (each at most 32768 in magnitude, up to MAX_GROUP / 8 per row) and nonzero
+    // counts in 32 bits, moved to 64-bit sums every FLUSH_ROWS rows (2^30 at most by then).
+    constexpr size_t FLUSH_ROWS = 8192;
+    __m256i acc = _mm256_setzero_si256(), count = _mm256_setzero_si256();
+    __m256i acc32 = _mm256_setzero_si256(), count32 = _mm256_setzero_si256();
     for (size_t i = 0; i < n; i++) {
+        if (i % FLUSH_ROWS == FLUSH_ROWS - 1) {
+            flush_sums(acc, acc32, count, count32);
+        }
         uint8_t * out = sym + i * gn;
         if (skip[i]) {
             std::memset(out, SYM_ZERO, gn);
@@ -374,19 +390,20 @@ __attribute__((target("avx2"))) void quantize_rows_avx2(const float * values, si
             const __m256i fixed = _mm256_and_si256(
                 _mm256_cvtps_epi32(_mm256_round_ps(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
                 _mm256_castps_si256(nonzero));
-            acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(fixed)));
-            acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(fixed, 1)));
-            count += static_cast<uint64_t>(__builtin_popcount(_mm256_movemask_ps(nonzero)));
+            acc32 = _mm256_add_epi32(acc32, fixed);
+            count32 = _mm256_sub_epi32(count32, _mm256_castps_si256(nonzero));  // a set lane is -1
             for (uint32_t e = static_cast<uint32_t>(_mm256_movemask_ps(escaped)); e != 0; e &= e - 1) {
                 const uint32_t k = 8 * j + static_cast<uint32_t>(__builtin_ctz(e));
                 quantize_value((v[k] - mean[k]) * inv_step[k], k, static_cast<uint32_t>(i), out[k], shrink, escapes);
             }
         }
     }
+    flush_sums(acc, acc32, count, count32);
     alignas(32) int64_t lanes[4];
     _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), acc);
     shrink.fixed += lanes[0] + lanes[1] + lanes[2] + lanes[3];
-    shrink.count += count;
+    _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), count);
+    shrink.count += static_cast<uint64_t>(lanes[0] + lanes[1] + lanes[2] + lanes[3]);
 }
 
 __attribute__((target("avx2,f16c"))) void f16_row_to_f32_f16c(const uint8_t * src, size_t n, float * dst) {
