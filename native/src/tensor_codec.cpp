@@ -498,6 +498,27 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     return true;
 }
 
+// Adds the ub byte planes of n side-by-side elements at p to part[b][k % 4][byte] (1024 counters
+// per plane); 2-byte elements four at a time from one 8-byte load.
+void count_planes(const uint8_t * p, size_t n, uint32_t ub, uint32_t * part) {
+    size_t k = 0;
+    if (ub == 2) {
+        for (; k + 4 <= n; k += 4) {
+            uint64_t w;
+            std::memcpy(&w, p + 2 * k, 8);
+            for (uint32_t j = 0; j < 4; j++) {
+                part[j * 256 + ((w >> (16 * j)) & 0xff)]++;
+                part[1024 + j * 256 + ((w >> (16 * j + 8)) & 0xff)]++;
+            }
+        }
+    }
+    for (; k < n; k++) {
+        for (uint32_t b = 0; b < ub; b++) {
+            part[static_cast<size_t>(b) * 1024 + (k & 3) * 256 + p[k * ub + b]]++;
+        }
+    }
+}
+
 void prepare_lossless(const uint8_t * base, const TensorDesc & t, TensorEncoder & e) {
     TensorStats & s = e.stats;
     const Strides st(t);
@@ -511,14 +532,13 @@ void prepare_lossless(const uint8_t * base, const TensorDesc & t, TensorEncoder 
     for (uint32_t gi = 0; gi < s.n_groups; gi++) {
         std::fill(part.begin(), part.end(), 0u);
         const uint32_t u0 = gi * s.group, u1 = std::min(t.n_units, u0 + s.group);
-        for (size_t i = 0; i < t.n_cells; i++) {
-            const uint8_t * cell = base + i * st.cell;
+        if (!t.transposed) {  // in memory order: runs of side-by-side elements
+            for (size_t i = 0; i < t.n_cells; i++) {
+                count_planes(base + i * st.cell + u0 * st.unit, u1 - u0, ub, part.data());
+            }
+        } else {
             for (uint32_t u = u0; u < u1; u++) {
-                const uint8_t * e = cell + u * st.unit;
-                uint32_t * p = &part[static_cast<size_t>(u & 3) * 256];
-                for (uint32_t b = 0; b < ub; b++) {
-                    p[static_cast<size_t>(b) * 1024 + e[b]]++;
-                }
+                count_planes(base + u * st.unit, t.n_cells, ub, part.data());
             }
         }
         for (uint32_t b = 0; b < ub; b++) {
@@ -1124,7 +1144,7 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     }
     // The object's symbols (or byte planes) in its memory order, from the state's; a whole lossy
     // object codes the encoder's own symbols.
-    std::vector<uint8_t> sym;
+    std::unique_ptr<uint8_t[]> sym;  // each byte written before it is coded: not zeroed
     const uint8_t * symbols = nullptr;
     bool contiguous = true;
     for (size_t r = 1; r < cells.size() && contiguous; r++) {
@@ -1160,15 +1180,15 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
             // rows of the state, or all of it: a run of the encoder's symbols
             symbols = &e.sym[t.transposed ? 0 : static_cast<size_t>(cells[0]) * t.n_units];
         } else if (contiguous && !cells.empty()) {  // a run of cells of each transposed unit
-            sym.resize(n);
+            sym.reset(new uint8_t[n]);
             for (size_t o = 0; o < n_outer(obj); o++) {
                 std::memcpy(&sym[o * n_inner(obj)], &e.sym[cells[0] + o * state_inner], n_inner(obj));
             }
-            symbols = sym.data();
+            symbols = sym.get();
         } else {
-            sym.resize(n);
+            sym.reset(new uint8_t[n]);
             gather([&](uint32_t cell, uint32_t unit) { return e.sym[state_index(t, cell, unit)]; });
-            symbols = sym.data();
+            symbols = sym.get();
         }
         coded(e.enc.data());
         // The escaped values, in the object's order: each escape symbol's value is the entry after
@@ -1191,7 +1211,7 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     // Every byte plane of the object in memory order, split off line by line where a line's
     // elements lie side by side in the state (rows; transposed units over a run of cells).
     const uint32_t ub = t.unit_bytes;
-    sym.resize(n * ub);
+    sym.reset(new uint8_t[n * ub]);
     std::vector<uint8_t *> plane(ub);
     for (uint32_t b = 0; b < ub; b++) {
         plane[b] = &sym[b * n];
