@@ -216,7 +216,34 @@ __attribute__((target("avx2"))) static size_t find_byte_avx2(const uint8_t * p, 
     }
     return k;
 }
+
+// Counts over whole 32-byte blocks; *done: how many bytes that was.
+__attribute__((target("avx2"))) static size_t count_byte_avx2(const uint8_t * p, size_t n, uint8_t b,
+                                                              size_t * done) {
+    const __m256i needle = _mm256_set1_epi8(static_cast<char>(b));
+    size_t count = 0, k = 0;
+    for (; k + 32 <= n; k += 32) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p + k));
+        const uint32_t equal = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, needle)));
+        count += static_cast<size_t>(__builtin_popcount(equal));
+    }
+    *done = k;
+    return count;
+}
 #endif
+
+size_t count_byte(const uint8_t * p, size_t n, uint8_t b) {
+    size_t count = 0, k = 0;
+#if defined(__x86_64__)
+    if (cpu_has_avx2) {
+        count = count_byte_avx2(p, n, b, &k);
+    }
+#endif
+    for (; k < n; k++) {
+        count += p[k] == b;
+    }
+    return count;
+}
 
 void find_byte(const uint8_t * p, size_t n, uint8_t b, std::vector<size_t> & at) {
     size_t k = 0;

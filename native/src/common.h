@@ -119,6 +119,8 @@ extern const bool cpu_has_avx2;
 // Appends to `at` the positions k < n with p[k] == b, in increasing order (AVX2 where the CPU has
 // it: 32 bytes per compare, for rare bytes such as escape symbols).
 void find_byte(const uint8_t * p, size_t n, uint8_t b, std::vector<size_t> & at);
+// How many of the n bytes at p equal b (AVX2 where the CPU has it).
+size_t count_byte(const uint8_t * p, size_t n, uint8_t b);
 
 // Runs fn(i) for i in [0, n) on up to n_threads threads (<= 0: all cores). Rethrows the first error.
 void parallel_for(size_t n, int n_threads, const std::function<void(size_t)> & fn);

@@ -176,11 +176,6 @@ void encode_stream(const SymbolMatrix & m, uint32_t slice_elements, int counted_
     // The directory is filled in once the slices, written straight after it, are sized.
     const size_t directory = w.buf.size();
     w.buf.resize(directory + n_slices * entry);
-    std::vector<size_t> counted;  // positions of the counted symbol (escapes: rare)
-    if (counted_symbol >= 0) {
-        find_byte(m.sym, n, static_cast<uint8_t>(counted_symbol), counted);
-    }
-    size_t next_counted = 0;
     for (size_t s = 0; s < n_slices; s++) {
         const size_t k0 = s * slice_elements, k1 = std::min(n, k0 + slice_elements);
         const size_t start = w.buf.size();
@@ -189,11 +184,8 @@ void encode_stream(const SymbolMatrix & m, uint32_t slice_elements, int counted_
         LCG_CHECK(bytes <= UINT32_MAX, LCG_ERR_LIMIT, "a slice of %zu bytes", bytes);
         w.u32_at(directory + s * entry, static_cast<uint32_t>(bytes));
         if (counted_symbol >= 0) {
-            const size_t first = next_counted;
-            while (next_counted < counted.size() && counted[next_counted] < k1) {
-                next_counted++;
-            }
-            w.u32_at(directory + s * entry + 4, static_cast<uint32_t>(next_counted - first));
+            const size_t count = count_byte(m.sym + k0, k1 - k0, static_cast<uint8_t>(counted_symbol));
+            w.u32_at(directory + s * entry + 4, static_cast<uint32_t>(count));
         }
     }
 }

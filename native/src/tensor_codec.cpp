@@ -1191,9 +1191,16 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
             symbols = sym.get();
         }
         coded(e.enc.data());
-        // The escaped values, in the object's order: each escape symbol's value is the entry after
-        // the previous one when the rows run in state order (whole objects and chunks of
-        // contiguous cells), else found by binary search.
+        // The escaped values, in the object's order. A whole object's are the encoder's, in order.
+        if (contiguous && cells.size() == t.n_cells && (cells.empty() || cells[0] == 0)) {
+            w.varint(e.escapes.size());
+            for (const auto & x : e.escapes) {
+                w.varint(escape_code(x.second));
+            }
+            return;
+        }
+        // Otherwise each escape symbol's value is the entry after the previous one when the rows
+        // run in state order (chunks of contiguous cells), else found by binary search.
         std::vector<size_t> escaped;
         find_byte(symbols, n, SYM_ESCAPE, escaped);
         w.varint(escaped.size());
