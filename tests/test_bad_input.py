@@ -254,6 +254,28 @@ def test_non_finite_values_fall_back_to_lossless() -> None:
     assert np.isnan(np.frombuffer(bytes(out[nan_at : nan_at + 2]), np.float16)[0])
 
 
+@pytest.mark.parametrize("transform", ["none", "anchor-delta"])
+@pytest.mark.parametrize("level", ["high", "balanced", "compact"])
+def test_values_at_the_edge_of_f16_never_decode_to_inf(level: str, transform: str) -> None:
+    """A channel at +-65504 (f16's largest finite value) beside ordinary ones: a lossy value may
+    land a step past it, which f16 holds only as inf (and anchor/delta's differences reach twice
+    it): such a tensor is coded losslessly, every other stays lossy."""
+    rng = np.random.default_rng(5)
+    cells, channels = 256, 64
+    state = bytearray(seq_buffer(kv_cache_bytes(rng, n_embd=channels, cells_per_stream=(cells,))))
+    tail = len(state) - 2 * cells * channels  # the last tensor (V of the last layer)
+    edge = np.frombuffer(bytes(state[tail:]), np.float16).reshape(cells, channels).copy()
+    edge[:, 0] = np.float16(65504) * np.where(rng.random(cells) < 0.5, 1, -1)
+    edge[:, 1] = rng.uniform(60000, 65504, cells).astype(np.float16)
+    state[tail:] = edge.tobytes()
+    out = lcg.decode(lcg.encode(bytes(state), level, transform=transform))
+    values = np.frombuffer(bytes(out[tail:]), np.float16)
+    assert np.isfinite(values).all() and out[tail:] == state[tail:]
+    ordinary = slice(tail - 2 * cells * channels, tail)  # the tensor before: still lossy
+    assert np.isfinite(np.frombuffer(bytes(out[ordinary]), np.float16)).all()
+    assert out[ordinary] != state[ordinary]
+
+
 # ---- golden files -------------------------------------------------------------------------------
 
 # 512 symbols per stream in slices of 96: five full slices and a short one.

@@ -1,6 +1,7 @@
 #include "tensor_codec.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -271,12 +272,13 @@ void code_deltas(const TensorDesc & t, uint32_t every, const float * values, siz
     }
 }
 
-// Sums and sums of squares per channel of a group's cell-major values, sinks left out. Even and
-// odd rows add into separate sums (two dependency chains), joined at the end in both builds, so
-// the AVX2 one gives the same doubles.
+// Sums and sums of squares per channel of a group's cell-major values, and the group's largest
+// |value|, sinks left out. Even and odd rows add into separate sums (two dependency chains),
+// joined at the end in both builds, so the AVX2 one gives the same doubles.
 void group_moments_scalar(const float * v, size_t n, uint32_t gn, const uint8_t * is_sink, double * sum,
-                          double * sum_sq) {
+                          double * sum_sq, float * max_abs) {
     double part[2][2][MAX_GROUP] = {};
+    float m = 0.0f;
     for (size_t i = 0; i < n; i++) {
         if (is_sink[i]) {
             continue;
@@ -285,8 +287,10 @@ void group_moments_scalar(const float * v, size_t n, uint32_t gn, const uint8_t 
             const double x = v[i * gn + g];
             part[i & 1][0][g] += x;
             part[i & 1][1][g] += x * x;
+            m = std::max(m, std::fabs(v[i * gn + g]));
         }
     }
+    *max_abs = m;
     for (uint32_t g = 0; g < gn; g++) {
         sum[g] = part[0][0][g] + part[1][0][g];
         sum_sq[g] = part[0][1][g] + part[1][1][g];
@@ -295,9 +299,10 @@ void group_moments_scalar(const float * v, size_t n, uint32_t gn, const uint8_t 
 
 #if defined(__x86_64__)
 __attribute__((target("avx2"), always_inline)) inline void moments_row_avx2(const float * v, uint8_t sink,
-                                                                          __m256d * s, __m256d * q) {
+                                                                          __m256d * s, __m256d * q, __m256 & m) {
     const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(sink ? 0 : -1));
     const __m256 x8 = _mm256_and_ps(_mm256_loadu_ps(v), keep);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x8));
     const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x8));
     const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x8, 1));
     s[0] = _mm256_add_pd(s[0], lo);
@@ -309,7 +314,9 @@ __attribute__((target("avx2"), always_inline)) inline void moments_row_avx2(cons
 // gn a multiple of 8 (no FMA: a fused x * x + s would round differently from the scalar build). A
 // sink row adds zeros, as skipping it would.
 __attribute__((target("avx2"))) void group_moments_avx2(const float * v, size_t n, uint32_t gn,
-                                                         const uint8_t * is_sink, double * sum, double * sum_sq) {
+                                                         const uint8_t * is_sink, double * sum, double * sum_sq,
+                                                         float * max_abs) {
+    __m256 m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // by row parity
     for (uint32_t g = 0; g < gn; g += 8) {
         __m256d s[2][2], q[2][2];  // [row parity][channels g..g+3, g+4..g+7]
         for (int p = 0; p < 2; p++) {
@@ -317,27 +324,36 @@ __attribute__((target("avx2"))) void group_moments_avx2(const float * v, size_t 
         }
         size_t i = 0;
         for (; i + 2 <= n; i += 2) {
-            moments_row_avx2(v + i * gn + g, is_sink[i], s[0], q[0]);
-            moments_row_avx2(v + (i + 1) * gn + g, is_sink[i + 1], s[1], q[1]);
+            moments_row_avx2(v + i * gn + g, is_sink[i], s[0], q[0], m[0]);
+            moments_row_avx2(v + (i + 1) * gn + g, is_sink[i + 1], s[1], q[1], m[1]);
         }
         if (i < n) {
-            moments_row_avx2(v + i * gn + g, is_sink[i], s[0], q[0]);
+            moments_row_avx2(v + i * gn + g, is_sink[i], s[0], q[0], m[0]);
         }
         _mm256_storeu_pd(sum + g, _mm256_add_pd(s[0][0], s[1][0]));
         _mm256_storeu_pd(sum + g + 4, _mm256_add_pd(s[0][1], s[1][1]));
         _mm256_storeu_pd(sum_sq + g, _mm256_add_pd(q[0][0], q[1][0]));
         _mm256_storeu_pd(sum_sq + g + 4, _mm256_add_pd(q[0][1], q[1][1]));
     }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_max_ps(m[0], m[1]));
+    *max_abs = *std::max_element(lanes, lanes + 8);
 }
 #endif
 
-void group_moments(const float * v, size_t n, uint32_t gn, const uint8_t * is_sink, double * sum, double * sum_sq) {
+void group_moments(const float * v, size_t n, uint32_t gn, const uint8_t * is_sink, double * sum, double * sum_sq,
+                   float * max_abs) {
 #if defined(__x86_64__)
     if (cpu_has_avx2 && gn % 8 == 0) {
-        return group_moments_avx2(v, n, gn, is_sink, sum, sum_sq);
+        return group_moments_avx2(v, n, gn, is_sink, sum, sum_sq, max_abs);
     }
 #endif
-    group_moments_scalar(v, n, gn, is_sink, sum, sum_sq);
+    group_moments_scalar(v, n, gn, is_sink, sum, sum_sq, max_abs);
+}
+
+// The largest finite value of a lossy tensor's type.
+double max_finite(int32_t ggml_type) {
+    return ggml_type == GGML_F16 ? 65504.0 : ggml_type == GGML_BF16 ? 3.3895313892515355e38 : FLT_MAX;
 }
 
 // Orders escapes collected group by group into state order: a stable counting sort by the state's
@@ -381,6 +397,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     // one K tensor of a 7B model's 100K-token context); measured as fast. Loaded before use.
     std::unique_ptr<float[]> values(new float[n * s.group]);
     std::vector<double> mean_d(t.n_units), group_var(s.n_groups);
+    std::vector<float> group_max(s.n_groups);
     uint64_t count = 0;
     for (size_t i = 0; i < n; i++) {
         count += !is_sink[i];
@@ -391,7 +408,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         float * v = values.get();
         load_values(base, t, u0, gn, v);
         double sum[MAX_GROUP] = {0}, sum_sq[MAX_GROUP] = {0};
-        group_moments(v, n, gn, is_sink.data(), sum, sum_sq);
+        group_moments(v, n, gn, is_sink.data(), sum, sum_sq, &group_max[gi]);
         double var_sum = 0.0;
         for (uint32_t g = 0; g < gn; g++) {
             if (!std::isfinite(sum_sq[g])) {
@@ -432,6 +449,17 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
             s.step_f16[gi] = cq.step_f16;
             mean[g] = f16_to_f32(cq.mean_f16);
             inv_step[g] = 1.0f / f16_to_f32(cq.step_f16);
+        }
+        // A decoded value lies within a step of its value (rounding to q moves it by half a step,
+        // the shrink by at most half); anchor/delta also stores differences from the anchors, up
+        // to twice the largest value plus the mean. Past the type's largest finite value a
+        // decoder would write inf (and NaN under anchor/delta): such a tensor is coded losslessly.
+        double reach = group_max[gi] + 2.0 * f16_to_f32(s.step_f16[gi]);
+        for (uint32_t g = 0; s.anchor_tokens && g < gn; g++) {
+            reach = std::max(reach, 2.0 * group_max[gi] + std::fabs(mean[g]) + 2.0 * f16_to_f32(s.step_f16[gi]));
+        }
+        if (reach >= max_finite(t.ggml_type)) {
+            return false;
         }
         load_values(base, t, u0, gn, values.get());
         std::vector<Escape> escapes;
