@@ -346,7 +346,10 @@ def load_compressed_state(
         target = 0 if seq_id is None else seq_id
     _seq_id_ok(llm, target)
     n_ctx = min(llm.n_ctx(), len(llm.input_ids))
-    if max(info["cells"], meta.tokens.size) > n_ctx:
+    # cells are counted over every cache: an interleaved sliding-window model keeps two, each up to
+    # n_ctx (llama.cpp refuses what does not fit all the same, and the context is put back)
+    cells_per_cache = -(-info["cells"] // max(1, info["caches"]))
+    if max(cells_per_cache, meta.tokens.size) > n_ctx:
         raise ModelMismatchError(
             f"context too small: the state holds {info['cells']} KV cells and {meta.tokens.size} tokens "
             f"(saved with n_ctx {meta.n_ctx}), this context has n_ctx {n_ctx}"
