@@ -21,12 +21,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import kv_cache_bytes, seq_buffer
 from llama_cachegen.chunks import PREFIX
-from llama_cachegen.errors import CorruptDataError
+from llama_cachegen.errors import CorruptDataError, UnsupportedFormatError
 from llama_cachegen.model import sample_text
 from llama_cachegen.proxy import (
     RESTORED_HEADER,
     STATS_PATH,
+    Sharing,
     _timings,
     common_prefix,
     read_slot_file,
@@ -61,6 +63,19 @@ def test_slot_file_plain_and_packed_tokens() -> None:
     seq_tokens, seq = slot_file_to_seq_buffer(packed)
     assert seq[:8] == struct.pack("<Ii", 0xAF143CD8, 0) and seq[8:] == _memory()
     assert seq_buffer_to_slot_file(seq, seq_tokens) == plain
+
+
+def test_sliding_window_slots_are_not_shared_and_say_why(tmp_path: Path) -> None:
+    """Two KV caches whose cells cover different positions (a sliding-window model's slot keeps
+    the window only): the upload refuses with the reason, nothing is stored."""
+    rng = np.random.default_rng(0)
+    memory = kv_cache_bytes(rng, cells_per_stream=(40,)) + kv_cache_bytes(rng, cells_per_stream=(16,))
+    slot = seq_buffer_to_slot_file(seq_buffer(memory), np.arange(40, dtype=np.int32))
+    fingerprint = {"arch": "test", "n_layer": 2, "n_embd": 64}
+    sharing = Sharing((tmp_path / "store").as_uri(), fingerprint, 64, chunk_tokens=16)
+    with pytest.raises(UnsupportedFormatError, match="sliding-window"):
+        sharing.upload(slot)
+    assert not (tmp_path / "store").exists()  # refused before the store was opened
 
 
 def test_slot_file_refusals() -> None:

@@ -53,7 +53,7 @@ import numpy as np
 from aiohttp import web
 
 from . import chunks, codec, stores
-from .errors import CacheGenError, CorruptDataError, InvalidArgumentError
+from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, UnsupportedFormatError
 from .llama import FINGERPRINT_FIELDS, StateMeta, _model_hash
 from .stores.http import TOKEN_ENV, bearer_ok, is_loopback, load_token
 
@@ -357,6 +357,11 @@ class Sharing:
         if full == 0:
             return {"chunks": 0, "objects_written": 0, "bytes_written": 0}
         info = codec.inspect_state(state, "seq_buffer")
+        if not info["chunkable"] and info["caches"] > 1:
+            raise UnsupportedFormatError(
+                "a model with sliding-window layers: llama.cpp's slot file keeps only their last window, "
+                "so no prefix of it can be shared (README, Share a context across llama-server instances)"
+            )
         if not info["chunkable"] or info["positions"] != (0, int(tokens.size)):
             raise CorruptDataError(
                 f"the slot holds positions {info['positions']} for {tokens.size} tokens: not chunkable"
