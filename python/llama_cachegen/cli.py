@@ -18,6 +18,8 @@ from .errors import CacheGenError, InvalidArgumentError, NotAContainerError
 from .stores import read_url, write_url
 
 DEMO_QUESTION = "\n\nQuestion: What is the name of the license above?\nAnswer:"
+# each lossy level promises at most the KL of this llama.cpp cache type (README, "Levels")
+LEVEL_PROMISES = {"high": "q8_0", "balanced": "q5_1", "compact": "q4_0"}
 
 
 def _progress(message: str) -> None:
@@ -183,6 +185,15 @@ def _demo(args: argparse.Namespace) -> int:
         f"\nuncompressed answer: {first['answer'].strip()!r}"
         f"\nrestored answer:     {second['answer'].strip()!r}"
     )
+    if not match and args.level != "lossless":
+        promise = LEVEL_PROMISES.get(args.level)
+        print(
+            f"\n{args.level} is lossy: it keeps the next-token distributions at least as close as "
+            f"llama.cpp's {promise} cache does (KL), not every greedy token; --level lossless restores "
+            "the context exactly, and `llama-cachegen eval` measures the KL of each level on this model."
+            if promise
+            else f"\n{args.level} is lossy: --level lossless restores the context exactly."
+        )
     return 0
 
 
@@ -337,8 +348,6 @@ def _inspect(args: argparse.Namespace) -> int:
 # --- eval ------------------------------------------------------------------------------------
 
 
-# each lossy level promises at most the KL of this llama.cpp cache type (README, "Levels")
-LEVEL_PROMISES = {"high": "q8_0", "balanced": "q5_1", "compact": "q4_0"}
 FLOOR_METHOD = "llama.cpp f16, flash attention (noise floor)"
 # a level and its reference both below this multiple of the floor: the text cannot tell them apart
 FLOOR_MARGIN = 1.5
