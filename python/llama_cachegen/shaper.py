@@ -243,6 +243,10 @@ class Relay:
         self._writers.update((writer, up_writer))
         try:
             await asyncio.gather(self._pump(reader, up_writer, False), self._pump(up_reader, writer, True))
+        except asyncio.CancelledError:
+            # closing the relay: the handler ends quietly (asyncio's stream callback would log the
+            # cancellation of a connection handler as an error)
+            pass
         finally:
             for w in (writer, up_writer):
                 self._writers.discard(w)
