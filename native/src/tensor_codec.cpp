@@ -841,6 +841,34 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
 }
 #endif
 
+#if defined(__x86_64__)
+// The escapes (element indices, ascending) of an f16 object whose rows are a run of cells, read in
+// order and placed by plain offsets; F16C rounds as f32_to_f16 does (the values are finite).
+__attribute__((target("avx2,f16c"))) void place_escapes_f16(ByteReader & r, const LossyDst & d,
+                                                             const std::vector<uint64_t> & esc) {
+    if (esc.empty()) {
+        return;
+    }
+    const TensorDesc & obj = *d.obj;
+    const size_t n_i = n_inner(obj);
+    const uint32_t shift = static_cast<uint32_t>(__builtin_ctz(d.group));
+    uint8_t * const first = d.base + static_cast<size_t>(d.row_cell[0]) * d.dst.cell;
+    size_t o = 0, line = 0;  // the outer line of the last escape and its first element
+    for (uint64_t k : esc) {
+        if (k - line >= n_i) {
+            o = k / n_i;
+            line = o * n_i;
+        }
+        const RowUnit ru = row_unit(obj, o, k - line);
+        const uint32_t gi = ru.unit >> shift;
+        const float v = dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], static_cast<float>(read_escape(r)));
+        const uint16_t h =
+            static_cast<uint16_t>(_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(v), _MM_FROUND_TO_NEAREST_INT), 0));
+        std::memcpy(first + ru.row * d.dst.cell + ru.unit * d.dst.unit, &h, 2);
+    }
+}
+#endif
+
 void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * base,
                   const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
     const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
@@ -859,6 +887,11 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
 #endif
     prefetch_tables(dec.slots);
     std::vector<uint64_t> esc;
+    uint64_t declared = 0;  // each slice's count is checked against its symbols below
+    for (const rans::Slice & sl : slices) {
+        declared += sl.count;
+    }
+    esc.reserve(std::min<uint64_t>(declared, n));
     // the AVX2 decoder's escape offsets within a slice: at most one per symbol, 8 written at a time
     std::unique_ptr<uint32_t[]> slice_esc;
     if (vector_ok) {
@@ -890,6 +923,11 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     const uint64_t n_escapes = r.varint();
     LCG_CHECK(n_escapes == esc.size(), LCG_ERR_CORRUPT, "tensor declares %llu escapes, its symbols %zu",
               (unsigned long long) n_escapes, esc.size());
+#if defined(__x86_64__)
+    if (vector_ok) {
+        return place_escapes_f16(r, d, esc);
+    }
+#endif
     // Escapes in element order: a division only where one starts a new outer line.
     const size_t n_i = n_inner(obj);
     size_t o = 0, line = 0;  // the outer line of the last escape and its first element
