@@ -20,7 +20,7 @@ const char * section_type_name(uint32_t type) {
 
 } // namespace
 
-uint8_t * write_container(ContainerHeader h, const std::vector<SectionPayload> & sections, size_t * out_size) {
+uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sections, size_t * out_size) {
     h.n_sections = static_cast<uint32_t>(sections.size());
     const size_t table_end = HEADER_SIZE + static_cast<size_t>(SECTION_ENTRY_SIZE) * sections.size();
     size_t total = table_end;
@@ -64,11 +64,12 @@ uint8_t * write_container(ContainerHeader h, const std::vector<SectionPayload> &
     std::memcpy(out + HEADER_SIZE - 4, &crc, 4);
     std::memcpy(out + HEADER_SIZE, table.buf.data(), table.buf.size());
     size_t at = table_end;
-    for (const SectionPayload & s : sections) {
+    for (SectionPayload & s : sections) {
         if (!s.bytes.empty()) {
             std::memcpy(out + at, s.bytes.data(), s.bytes.size());
         }
         at += s.bytes.size();
+        std::vector<uint8_t>().swap(s.bytes);
     }
     *out_size = total;
     return out;

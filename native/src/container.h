@@ -36,8 +36,10 @@ struct SectionPayload {
     std::vector<uint8_t> bytes;
 };
 
-// Lays out header, table and payloads in one malloc'ed buffer (released with free()).
-uint8_t * write_container(ContainerHeader header, const std::vector<SectionPayload> & sections, size_t * out_size);
+// Lays out header, table and payloads in one malloc'ed buffer (released with free()). Each
+// payload is released once copied, so that the sections and the container are not all held at
+// once (an encode's peak memory).
+uint8_t * write_container(ContainerHeader header, std::vector<SectionPayload> && sections, size_t * out_size);
 
 struct ContainerView {
     ContainerHeader header;
