@@ -198,8 +198,11 @@ const float * const f16_table = build_f16_table();
 #if defined(__x86_64__)
 const bool cpu_has_avx2 =
     __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && std::getenv("LCG_NO_SIMD") == nullptr;
+const bool use_gather = std::getenv("LCG_GATHER") != nullptr ||
+                        (std::getenv("LCG_SCALAR_LOADS") == nullptr && !__builtin_cpu_is("amd"));
 #else
 const bool cpu_has_avx2 = false;
+const bool use_gather = false;
 #endif
 
 #if defined(__x86_64__)

@@ -115,6 +115,12 @@ using lanes::f32_to_f16;
 // The CPU has AVX2 and F16C (x86-64), and LCG_NO_SIMD is unset: the SIMD paths may run. They write
 // the same bytes as the scalar ones (tests compare both).
 extern const bool cpu_has_avx2;
+// The AVX2 table lookups (the decoders' symbols, the encoder's symbol entries): the gather
+// instruction, or scalar loads; both read the same tables, so the output is the same. Scalar loads
+// measured faster on AMD Zen (EPYC, bench/speed.py: balanced decode 2.17 vs 2.02 GB/s per core,
+// encode 870 vs 790 MB/s), so they are the default there, the gather elsewhere; LCG_GATHER=1 or
+// LCG_SCALAR_LOADS=1 force one.
+extern const bool use_gather;
 
 // Appends to `at` the positions k < n with p[k] == b, in increasing order (AVX2 where the CPU has
 // it: 32 bytes per compare, for rare bytes such as escape symbols).

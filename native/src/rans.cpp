@@ -37,8 +37,8 @@ void build_enc_table(const Table & t, EncTable & e) {
     for (uint32_t s = t.first; s <= t.last; s++) {
         if (t.freq[s]) {
             const EncSymbol & es = e.sym[s] = enc_symbol(t.cum[s], t.freq[s]);
-            e.rcp[s] = es.rcp_freq;
-            e.packed[s] = es.bias | es.cmpl_freq << 13 | es.rcp_shift << 25;
+            const uint64_t packed = es.bias | es.cmpl_freq << 13 | es.rcp_shift << 25;
+            e.rcp_packed[s] = es.rcp_freq | packed << 32;
         }
     }
 }
@@ -80,6 +80,7 @@ const EmitTable emit_table;
 // Full steps [k_begin, k_end) (multiples of 32), last step first, when every 8 consecutive
 // elements share a table (n_inner % 8 == 0): 4 vectors of 8 lanes, lanes 24..31 first, each
 // vector's words written as one block below ptr, as the scalar loop writes them one by one.
+template <bool GATHER>
 __attribute__((target("avx2"))) void encode_steps_avx2(const SymbolMatrix & m, size_t k_begin, size_t k_end,
                                                        uint32_t * x, uint16_t *& ptr) {
     __m256i X[4];
@@ -88,6 +89,7 @@ __attribute__((target("avx2"))) void encode_steps_avx2(const SymbolMatrix & m, s
     }
     const __m256i one = _mm256_set1_epi32(1), full = _mm256_set1_epi32(int(PROB_SCALE));
     const __m256i mask13 = _mm256_set1_epi32(0x1fff), mask12 = _mm256_set1_epi32(0xfff);
+    const __m128i gather_order = _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, -1, -1, -1, -1, -1, -1, -1, -1);
     const __m256i pack16 = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8,
                                             9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
     size_t o = k_end / m.n_inner, i = k_end % m.n_inner;  // of the element after the vector
@@ -100,9 +102,24 @@ __attribute__((target("avx2"))) void encode_steps_avx2(const SymbolMatrix & m, s
             }
             i -= 8;
             const EncTable & t = *m.unit_table[m.unit_is_outer ? o : i];
-            const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(m.sym + k)));
-            const __m256i rcp = _mm256_i32gather_epi32(reinterpret_cast<const int *>(t.rcp), s, 4);
-            const __m256i pk = _mm256_i32gather_epi32(reinterpret_cast<const int *>(t.packed), s, 4);
+            // The entries of lanes 0, 1, 4, 5 and of 2, 3, 6, 7 (two 4-entry gathers, or eight
+            // scalar loads): their halves, picked by one shuffle each, give rcp and packed in lane order.
+            __m256 g0, g1;
+            if constexpr (GATHER) {
+                const __m128i sym8 =
+                    _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(m.sym + k)), gather_order);
+                const long long * table = reinterpret_cast<const long long *>(t.rcp_packed);
+                g0 = _mm256_castsi256_ps(_mm256_i32gather_epi64(table, _mm_cvtepu8_epi32(sym8), 8));
+                g1 = _mm256_castsi256_ps(_mm256_i32gather_epi64(table, _mm_cvtepu8_epi32(_mm_srli_si128(sym8, 4)), 8));
+            } else {
+                uint64_t w;
+                std::memcpy(&w, m.sym + k, 8);
+                auto entry = [&](int lane) { return static_cast<long long>(t.rcp_packed[(w >> (8 * lane)) & 0xff]); };
+                g0 = _mm256_castsi256_ps(_mm256_setr_epi64x(entry(0), entry(1), entry(4), entry(5)));
+                g1 = _mm256_castsi256_ps(_mm256_setr_epi64x(entry(2), entry(3), entry(6), entry(7)));
+            }
+            const __m256i rcp = _mm256_castps_si256(_mm256_shuffle_ps(g0, g1, _MM_SHUFFLE(2, 0, 2, 0)));
+            const __m256i pk = _mm256_castps_si256(_mm256_shuffle_ps(g0, g1, _MM_SHUFFLE(3, 1, 3, 1)));
             const __m256i bias = _mm256_and_si256(pk, mask13);
             const __m256i cmpl = _mm256_and_si256(_mm256_srli_epi32(pk, 13), mask12);
             const __m256i shift = _mm256_srli_epi32(pk, 25);
@@ -157,7 +174,11 @@ void encode_slice(const SymbolMatrix & m, size_t k0, size_t k1, ByteWriter & w) 
     scalar_until(k_full);
 #if defined(__x86_64__)
     if (cpu_has_avx2 && m.n_inner % 8 == 0) {
-        encode_steps_avx2(m, k0, k_full, x, ptr);
+        if (use_gather) {
+            encode_steps_avx2<true>(m, k0, k_full, x, ptr);
+        } else {
+            encode_steps_avx2<false>(m, k0, k_full, x, ptr);
+        }
         k = k0;
     }
 #endif

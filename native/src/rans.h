@@ -60,10 +60,9 @@ struct EncSymbol {
 };
 struct EncTable {
     EncSymbol sym[256];
-    // The same for the AVX2 encoder: rcp_freq, and bias | cmpl_freq << 13 | rcp_shift << 25 (x_max
-    // is freq << 19); one gather each.
-    uint32_t rcp[256];
-    uint32_t packed[256];
+    // The same for the AVX2 encoder, one 64-bit entry per symbol (one gather for both): rcp_freq in
+    // the low half, bias | cmpl_freq << 13 | rcp_shift << 25 in the high one (x_max is freq << 19).
+    uint64_t rcp_packed[256];
 };
 void build_enc_table(const Table & t, EncTable & e);
 // 4096 decode slots; up to DECODE_SLOTS_ROOM entries after them are overwritten (the next

@@ -697,13 +697,6 @@ struct CompressTable {
 };
 const CompressTable compress_table;
 
-// The symbol lookup: AVX2's gather instruction, or eight scalar loads; both read the same table, so
-// the output is the same. Scalar loads measured faster on AMD Zen (EPYC, bench/speed.py: balanced
-// 2.17 vs 2.02 GB/s per core), so they are the default there, the gather elsewhere;
-// LCG_GATHER=1 or LCG_SCALAR_LOADS=1 force one.
-const bool use_gather = std::getenv("LCG_GATHER") != nullptr ||
-                        (std::getenv("LCG_SCALAR_LOADS") == nullptr && !__builtin_cpu_is("amd"));
-
 // One step of 8 lanes (x) with decode slots `slots`: the state update and the renormalisation
 // from ptr (8 words may be read, popcount(need) are taken: the caller leaves 64 bytes of room);
 // returns the symbols.
