@@ -431,6 +431,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     }
     std::vector<uint8_t> gsym(n * s.group);
     std::vector<uint32_t> counts(static_cast<size_t>(s.n_groups) * 256, 0);
+    std::vector<Escape> escapes;  // a group's, in the order found
     s.anchor_tokens = k.anchor_tokens;
     std::vector<uint8_t> skip_deltas;  // anchor/delta: rows the first pass leaves out
     if (s.anchor_tokens) {
@@ -462,7 +463,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
             return false;
         }
         load_values(base, t, u0, gn, values.get());
-        std::vector<Escape> escapes;
+        escapes.clear();
         ShrinkSum shrink;
         // Anchor/delta: anchor rows (and all rows without the transform) first.
         quantize_rows(values.get(), n, gn, mean, inv_step, s.anchor_tokens ? skip_deltas.data() : is_sink.data(),
@@ -513,6 +514,9 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
             for (size_t i = 0; i < n; i++) {
                 std::memcpy(&e.sym[i * t.n_units + u0], &gsym[i * gn], gn);
             }
+        }
+        if (gi == 0) {  // room for as many escapes in every group as in the first, and a quarter more
+            e.escapes.reserve(escapes.size() * s.n_groups * 5 / 4);
         }
         for (const Escape & x : escapes) {
             e.escapes.push_back({state_index(t, x.cell, u0 + x.lane), x.q});
