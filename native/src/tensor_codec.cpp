@@ -516,7 +516,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
             }
         }
         if (gi == 0) {  // room for as many escapes in every group as in the first, and a quarter more
-            e.escapes.reserve(escapes.size() * s.n_groups * 5 / 4);
+            e.escapes.reserve(std::min<size_t>(escapes.size() * s.n_groups * 5 / 4, n * t.n_units));
         }
         for (const Escape & x : escapes) {
             e.escapes.push_back({state_index(t, x.cell, u0 + x.lane), x.q});
