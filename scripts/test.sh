@@ -6,4 +6,5 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 "$VENV/bin/ruff" check python tests bench
+"$VENV/bin/ruff" format --check python tests bench
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests "$@"
