@@ -545,6 +545,8 @@ def _save_chunks(
             uploads.put(_chunk_key(keys[i], level), blob)
             manifest.chunks[i].sizes[level] = len(blob)
             level_bytes[level] += len(blob)
+        # its quantized state (half the state's size) is released before the next level's is built
+        del chunker
     return present, level_bytes
 
 
