@@ -465,7 +465,7 @@ void f16_row_to_f32(const uint8_t * src, size_t n, float * dst) {
 
 void f16_rows_to_f32(const uint8_t * src, size_t stride, size_t n, uint32_t gn, float * dst) {
 #if defined(__x86_64__)
-    if (cpu_has_avx2) {
+    if (cpu_has_avx2 && gn % 8 == 0) {
         f16_rows_to_f32_f16c(src, stride, n, gn, dst);
         return;
     }

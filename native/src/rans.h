@@ -60,7 +60,7 @@ struct EncSymbol {
 };
 struct EncTable {
     EncSymbol sym[256];
-    // The same for the AVX2 encoder, one 64-bit entry per symbol (one gather for both): rcp_freq in
+    // The same for the AVX2 encoder, one 64-bit entry per symbol (read once for both): rcp_freq in
     // the low half, bias | cmpl_freq << 13 | rcp_shift << 25 in the high one (x_max is freq << 19).
     uint64_t rcp_packed[256];
 };

@@ -153,14 +153,10 @@ void load_values(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32
         }
         return;
     }
-    if (t.ggml_type == GGML_F16 && gn % 8 == 0) {
+    if (t.ggml_type == GGML_F16) {
         return f16_rows_to_f32(base + u0 * 2, st.cell, t.n_cells, gn, out);
     }
     for (size_t i = 0; i < t.n_cells; i++) {
-        if (t.ggml_type == GGML_F16) {
-            f16_row_to_f32(base + i * st.cell + u0 * 2, gn, out + i * gn);
-            continue;
-        }
         for (uint32_t g = 0; g < gn; g++) {
             out[i * gn + g] = load_float(base + i * st.cell + (u0 + g) * st.unit, t.ggml_type);
         }
@@ -629,9 +625,11 @@ inline uint8_t * element_ptr(const LossyDst & d, RowUnit ru) {
     return d.base + d.row_cell[ru.row] * d.dst.cell + ru.unit * d.dst.unit;
 }
 
-inline void store_value(const LossyDst & d, RowUnit ru, float q) {
+// Element ru of the object reconstructed from q; `type` is the object's (a constant where the
+// caller knows it: no switch per value).
+inline void store_value(const LossyDst & d, int32_t type, RowUnit ru, float q) {
     const uint32_t gi = ru.unit >> __builtin_ctz(d.group);  // 8, 16 or 32 (read_stats checks)
-    store_float(element_ptr(d, ru), d.obj->ggml_type, dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], q));
+    store_float(element_ptr(d, ru), type, dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], q));
 }
 
 // The scalar reference for elements [k0, k1) (lane k % 32 continues from c), one outer line at a time.
@@ -838,34 +836,6 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
 }
 #endif
 
-#if defined(__x86_64__)
-// The escapes (element indices, ascending) of an f16 object whose rows are a run of cells, read in
-// order and placed by plain offsets; F16C rounds as f32_to_f16 does (the values are finite).
-__attribute__((target("avx2,f16c"))) void place_escapes_f16(ByteReader & r, const LossyDst & d,
-                                                             const std::vector<uint64_t> & esc) {
-    if (esc.empty()) {
-        return;
-    }
-    const TensorDesc & obj = *d.obj;
-    const size_t n_i = n_inner(obj);
-    const uint32_t shift = static_cast<uint32_t>(__builtin_ctz(d.group));
-    uint8_t * const first = d.base + static_cast<size_t>(d.row_cell[0]) * d.dst.cell;
-    size_t o = 0, line = 0;  // the outer line of the last escape and its first element
-    for (uint64_t k : esc) {
-        if (k - line >= n_i) {
-            o = k / n_i;
-            line = o * n_i;
-        }
-        const RowUnit ru = row_unit(obj, o, k - line);
-        const uint32_t gi = ru.unit >> shift;
-        const float v = dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], static_cast<float>(read_escape(r)));
-        const uint16_t h =
-            static_cast<uint16_t>(_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(v), _MM_FROUND_TO_NEAREST_INT), 0));
-        std::memcpy(first + ru.row * d.dst.cell + ru.unit * d.dst.unit, &h, 2);
-    }
-}
-#endif
-
 void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * base,
                   const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
     const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
@@ -920,20 +890,22 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     const uint64_t n_escapes = r.varint();
     LCG_CHECK(n_escapes == esc.size(), LCG_ERR_CORRUPT, "tensor declares %llu escapes, its symbols %zu",
               (unsigned long long) n_escapes, esc.size());
-#if defined(__x86_64__)
-    if (vector_ok) {
-        return place_escapes_f16(r, d, esc);
-    }
-#endif
     // Escapes in element order: a division only where one starts a new outer line.
     const size_t n_i = n_inner(obj);
     size_t o = 0, line = 0;  // the outer line of the last escape and its first element
-    for (uint64_t k_esc : esc) {
-        if (k_esc - line >= n_i) {
-            o = k_esc / n_i;
-            line = o * n_i;
+    auto walk = [&](auto && put) {
+        for (uint64_t k_esc : esc) {
+            if (k_esc - line >= n_i) {
+                o = k_esc / n_i;
+                line = o * n_i;
+            }
+            put(row_unit(obj, o, k_esc - line), static_cast<float>(read_escape(r)));
         }
-        store_value(d, row_unit(obj, o, k_esc - line), static_cast<float>(read_escape(r)));
+    };
+    if (obj.ggml_type == GGML_F16) {  // the common type, a constant
+        walk([&](RowUnit ru, float q) { store_value(d, GGML_F16, ru, q); });
+    } else {
+        walk([&](RowUnit ru, float q) { store_value(d, obj.ggml_type, ru, q); });
     }
 }
 
