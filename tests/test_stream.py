@@ -14,12 +14,14 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from llama_cachegen import chunks, stream
+from llama_cachegen import chunks, stores, stream
 from llama_cachegen.errors import InvalidArgumentError, StoreError
 from llama_cachegen.llama import Llama, capture_state, restore_state
 from llama_cachegen.model import default_model_path
@@ -92,6 +94,12 @@ def _at_chunk(index: int, action: Callable[[], None]) -> Callable[[stream.ChunkR
             action()
 
     return progress
+
+
+def _manifest_bytes(url: str) -> bytes:
+    store_url, key = chunks.split_manifest_url(url)
+    with stores.open_store(store_url) as store:
+        return store.get(key)
 
 
 def _continues(loader: Llama, original: dict[str, Any]) -> None:
@@ -167,6 +175,68 @@ def test_link_dropping_to_near_zero_halfway_computes_the_rest(
     assert report.to_dict()["text_chunks"] == report.text_chunks
     assert report.fallback is None and report.expected_kl == 0.0
     _continues(loader, original)
+
+
+def test_link_too_slow_for_the_skeleton_computes_every_chunk(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    """2 kB/s (the manifest given): the skeleton (~13 kB) would take seconds. The CPU starts on
+    the first chunk as soon as the skeleton is late and computes them all without it."""
+    r, url = relay
+    manifest = _manifest_bytes(url)
+    r.set_trace(Trace.constant(2000.0))
+    report = stream.load_streaming(loader, url, slo_s=60.0, manifest=manifest)
+    assert report.text_chunks == list(range(CHUNKS))
+    assert all(rec.reason == "parallel" and rec.compute_ms > 0 for rec in report.records)
+    assert report.fallback is not None and "skeleton did not arrive" in report.fallback
+    assert report.state_bytes == 0 and report.expected_kl == 0.0
+    _continues(loader, original)
+
+
+def test_chunks_computed_before_a_late_skeleton_join_the_buffer(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    """The link crawls (3 kB/s) for 1.5 s, then is fast (the manifest given): the chunks the CPU
+    computed meanwhile are spliced into the buffer built from the skeleton, the rest fetched."""
+    r, url = relay
+    manifest = _manifest_bytes(url)
+    r.set_trace(Trace.steps([(1.5, 3000.0), (math.inf, 1e9)]))
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST, manifest=manifest)
+    k = len(report.text_chunks)
+    assert 1 <= k < CHUNKS and report.text_chunks == list(range(k))
+    assert all(report.records[i].reason in ("parallel", "raced") for i in range(k))
+    assert all(rec.level == "lossless" for rec in report.records[k:])
+    assert report.skeleton_ms > 1000 and report.fallback is None and report.failures == []
+    _continues(loader, original)
+
+
+def test_closing_the_http_store_ends_a_read_in_flight(relay: tuple[Relay, str]) -> None:
+    """A fetch a load gave up on must not keep taking the link: closing the store ends it, and
+    it is not retried on a new connection."""
+    r, url = relay
+    store_url, _ = chunks.split_manifest_url(url)
+    skeleton = chunks.read_manifest(url).skeleton
+    assert skeleton is not None
+    r.set_trace(Trace.constant(1000.0))  # 1 kB/s: the skeleton would take ~13 s
+    store = stores.open_store(store_url)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            store.get(chunks._skeleton_key(skeleton))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.5)
+    connections = r.connections
+    store.close()
+    reader.join(5.0)
+    assert not reader.is_alive() and len(errors) == 1 and isinstance(errors[0], StoreError)
+    sent = r.bytes_down
+    time.sleep(0.5)
+    assert r.connections == connections and r.bytes_down - sent < 2048
 
 
 def test_store_dying_mid_stream_is_completed_from_text(

@@ -257,6 +257,10 @@ class Relay:
             while data := await reader.read(_READ):
                 view = memoryview(bytearray(data)) if down else memoryview(data)
                 while view:
+                    # A cut connection stops here: its buffered bytes would take the link's
+                    # tokens from the connections after it.
+                    if writer.transport.is_closing():
+                        return
                     n = await self._take(len(view)) if down else len(view)
                     piece = view[:n]
                     if down:

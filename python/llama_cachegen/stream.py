@@ -23,17 +23,26 @@ and takes the plan with the lowest token-weighted KL that finishes within a shar
 left (_SLO_SHARE, less on a link whose rate has varied between chunks: `_share`) and at least
 _SLO_FLOOR of the SLO before its end, the earliest among equals; when none fits, the earliest.
 The link fetches its next chunk at that plan's level; the CPU computes the front chunk when the
-plan computes any. When the only chunk left is in flight and not due within a piece's compute
-time, the CPU computes it too, in pieces of _PIECE tokens, and stops as soon as the fetch arrives
-(a race: a stalled link costs at most one chunk's compute time, a fast one at most one piece).
+plan computes any. Races, both ways, in pieces of _PIECE tokens: when the only chunk left is in
+flight and not due within a piece's compute time, the CPU computes it too and stops as soon as
+the fetch arrives; when every chunk is decided and the link is free, it fetches the chunk the CPU
+computes if that plan is better (a text chunk begun on a rate estimate that turned out too slow).
+A stalled link costs at most one chunk's compute time, a fast one at most one piece.
+
+The skeleton is fetched first (the buffer is built from it); while it is late (longer than a
+piece's compute), the CPU computes from the first chunk into the context, which keeps what it
+computed until the buffer exists. On a link too slow for even the skeleton, every chunk is
+computed and the skeleton is not waited for.
 
 Without `slo_s` (or with a fixed `level`, or no text fallback) chunks are fetched in order, up to
 _LOOKAHEAD ahead. A chunk that fails (connection reset, timeout, missing object, bad checksum or
 tag, an object of another model) is fetched once more; if that fails too, every chunk not in the
-buffer is computed from text. A text chunk is computed by llama.cpp on top of the chunks before it
-(restored from the buffer unless the context holds them), read back and spliced into the buffer.
-The context is touched by text chunks only, and is put back as it was if the load fails; it takes
-the assembled state in one llama.cpp call at the end (llama.restore_context).
+buffer is computed from text (the skeleton likewise). When the load ends, the store is closed,
+which ends any fetch it gave up on (a stalled one would take the link from the requests after
+it). A text chunk is computed by llama.cpp on top of the chunks before it (restored from the
+buffer unless the context holds them), read back and spliced into the buffer. The context is
+touched by text chunks only, and is put back as it was if the load fails; it takes the assembled
+state in one llama.cpp call at the end (llama.restore_context).
 
 Expected quality: the token-weighted mean of a per-level KL figure (`LEVEL_KL`, measured by
 bench/streaming.py on SmolLM2-135M over a 256-token teacher-forced continuation; "text" and
@@ -110,7 +119,7 @@ class ChunkRecord:
     begin: int
     end: int
     level: str = ""  # a level name, or "text" (computed by llama.cpp)
-    reason: str = ""  # why: best, budget, smallest, first, fixed, slow link, offload, stalled, failed
+    reason: str = ""  # why: best, budget, fastest, first, fixed, parallel, raced, stalled, failed
     bytes: int = 0  # fetched for this chunk (its statistics too, the first time they are named)
     fetch_ms: float = 0.0  # wall time of the fetch that was used (or abandoned)
     decode_ms: float = 0.0
@@ -368,6 +377,9 @@ class _Loader:
         self.invs: list[float] = []  # each chunk fetch's seconds per byte
         self.first_inv: float | None = None  # the skeleton's seconds per byte, before any chunk
         self.cpu_free = 0.0  # when the assembly thread will be done with the text chunk it computes
+        self.computing: int | None = None  # that chunk
+        self.skeleton_job: _Job | None = None  # the skeleton's fetch, until the assembly takes it
+        self.skeleton_tries = 0
 
     # -- estimates --
 
@@ -399,7 +411,7 @@ class _Loader:
         else:
             return None
         job = self.current
-        if job is not None and not job.done.is_set():
+        if job is not None and job.index >= 0 and not job.done.is_set():
             inv = max(inv, job.seconds / self._size(job.index, job.level))
         return inv
 
@@ -457,6 +469,14 @@ class _Loader:
     def _undecided(self) -> list[int]:
         return [k for k, p in enumerate(self.plan) if p is None]
 
+    def _deadline(self, now: float) -> float:
+        """When a plan's chunks must all be in the buffer: a share of the time left, never the
+        SLO's last _SLO_FLOOR, less the final restore."""
+        assert self.slo_s is not None
+        restore_s = len(self.state or b"") / _RESTORE_BPS
+        end = self.t0 + self.slo_s
+        return min(now + self._share() * (end - now), end - _SLO_FLOOR * self.slo_s) - restore_s
+
     def _best(self, undecided: list[int], now: float, fetch: bool = False) -> _Plan | None:
         """The plan for the undecided chunks (the link fetching from the back at one level, the
         CPU computing from the front) with the lowest KL that finishes within the share of the time
@@ -464,10 +484,7 @@ class _Loader:
         a plan that fetches at least one chunk."""
         if not undecided or (self.oracle is None and self._inv() is None):
             return None
-        assert self.slo_s is not None
-        restore_s = len(self.state or b"") / _RESTORE_BPS
-        end = self.t0 + self.slo_s
-        deadline = min(now + self._share() * (end - now), end - _SLO_FLOOR * self.slo_s) - restore_s
+        deadline = self._deadline(now)
         m = len(undecided)
         cpu_free = max(now, self.cpu_free) + sum(
             self._decode_s(j.level, self._size(j.index, j.level)) for j in self.jobs.values()
@@ -518,11 +535,14 @@ class _Loader:
 
     def _feed(self) -> None:
         """Starts the next fetch if the link is free (holds cv): the front's chunk in order (up to
-        _LOOKAHEAD ahead of the assembly), or with the CPU computing from the front, the last."""
-        if self.fallback is not None or self.retry is not None or self._link_busy():
+        _LOOKAHEAD ahead of the assembly), or with the CPU computing from the front, the last;
+        with nothing left to decide, the chunk the CPU computes when a fetch of it serves better."""
+        if self.state is None or self.fallback is not None or self.retry is not None or self._link_busy():
             return
         undecided = self._undecided()
         if not undecided:
+            if self.both:
+                self._race_computing(time.perf_counter())
             return
         if self.both:
             j = undecided[-1]
@@ -540,6 +560,26 @@ class _Loader:
         rec = self.records[j]
         rec.level, rec.reason, rec.mbps = level, reason, self._mbps()
         self._start(j, level, now)
+
+    def _race_computing(self, now: float) -> None:
+        """The link, free with every chunk decided, fetches the chunk the CPU is computing when
+        that plan is better (_better: within the deadline, the lower KL, the earlier) than the
+        CPU's: a text chunk begun on a rate that turned out too slow. The CPU stops at its next
+        piece if the fetch arrives first."""
+        i = self.computing
+        if i is None or i in self.jobs or self.done[i] or (self.oracle is None and self._inv() is None):
+            return
+        deadline = self._deadline(now)
+        best = _Plan(TEXT, 1, self.cpu_free, 0.0, self.cpu_free <= deadline)
+        tokens = self.ranges[i][1] - self.ranges[i][0]
+        for level in self.levels[i]:
+            size = self._size(i, level)
+            finish = now + self._net_s(size) + self._decode_s(level, size)
+            plan = _Plan(level, 0, finish, self.kl.get(level, math.inf) * tokens, finish <= deadline)
+            if _better(plan, best):
+                best = plan
+        if best.level != TEXT:
+            self._start(i, best.level, now)
 
     def _link_busy(self) -> bool:
         job = self.current
@@ -570,8 +610,12 @@ class _Loader:
     # -- the assembly --
 
     def _next_action(self, now: float) -> tuple[str, Any] | None:
-        """What the assembly thread does next (holds cv): take a fetched chunk, compute a chunk,
-        compute one whose fetch is in flight (a race), or None: wait."""
+        """What the assembly thread does next (holds cv): build the buffer from the skeleton that
+        arrived, take a fetched chunk, compute a chunk, compute one whose fetch is in flight (a
+        race), or None: wait."""
+        skeleton = self.skeleton_job
+        if skeleton is not None and skeleton.done.is_set():
+            return "skeleton", skeleton
         arrived = [j for j in self.jobs.values() if j.done.is_set()]
         if arrived:
             return "take", min(arrived, key=lambda j: j.index)
@@ -582,9 +626,15 @@ class _Loader:
             return "compute", None
         if not self.both:
             return None
+        if self.state is None:
+            # The skeleton is late (longer than a piece's compute): the link is too slow for a
+            # chunk to arrive before the CPU has computed it.
+            assert skeleton is not None
+            if skeleton.seconds > self._piece_s(front) and self.plan[front] is None:
+                self._claim(front, "parallel")
+                return "compute", None
+            return None
         if self.plan[front] is None:
-            if self._measuring(now):
-                return None
             plan = self._best(self._undecided(), now)
             if plan is not None and plan.text >= 1:
                 self._claim(front, "parallel")
@@ -594,19 +644,12 @@ class _Loader:
         if job is None or self._undecided():
             return None
         # the last chunk left is in flight: compute it unless it is due within one piece's time
-        piece_s = min(_PIECE, self.ranges[front][1] - self.ranges[front][0]) / (self.tps or 1.0)
-        if self._link_end(now) - now > piece_s:
+        if self._link_end(now) - now > self._piece_s(front):
             return "race", job
         return None
 
-    def _measuring(self, now: float) -> bool:
-        """Whether the first chunk fetch is in flight and not yet late: the rate the skeleton's
-        small fetch suggests is latency-bound, too slow on a fast link, so the CPU does not commit
-        to a text chunk on it alone (a chunk's compute is the largest step it takes)."""
-        if self.sum_bytes or self.prior_inv is not None or self.oracle is not None:
-            return False
-        job = self.current
-        return job is not None and not job.done.is_set() and now < job.start + job.predicted_s
+    def _piece_s(self, i: int) -> float:
+        return min(_PIECE, self.ranges[i][1] - self.ranges[i][0]) / (self.tps or 1.0)
 
     def _claim(self, i: int, reason: str) -> None:
         self.plan[i] = TEXT
@@ -640,18 +683,23 @@ class _Loader:
                     self.cv.wait(self._wait_s(now))
                     continue
                 kind, job = action
+            if kind == "skeleton":
+                self._take_skeleton(job)
+                continue
             if kind == "take":
                 self._take(job)
                 continue
             i = job.index if kind == "race" else next(k for k in range(n) if not self.done[k])
             try:
-                self._compute(i, job)
+                self._compute(i)
             except _Stopped:
                 continue  # its fetch arrived: taken next round
             with self.cv:
-                if job is not None:  # won the race against its own fetch
+                job = self.jobs.pop(i, None)
+                if job is not None:  # won the race against a fetch of the chunk
                     job.abandoned = True
-                    self.jobs.pop(i, None)
+                    if self.retry is job:
+                        self.retry = None
                     self.records[i].fetch_ms = job.seconds * 1e3
                     self._claim(i, "raced")
                 self.done[i] = True
@@ -710,17 +758,15 @@ class _Loader:
     def _fail(self, i: int, level: str, exc: BaseException, what: str) -> None:
         self.failures.append(f"chunk {i} ({level}) {what}: {type(exc).__name__}: {exc}")
 
-    def _compute(self, i: int, race: _Job | None = None) -> None:
-        """Chunk i computed by llama.cpp on top of the buffer's chunks 0..i-1, spliced in, in
-        pieces of _PIECE tokens; with `race`, given up (_Stopped) as soon as that fetch of the
-        chunk has arrived."""
-        assert self.state is not None
+    def _compute(self, i: int) -> None:
+        """Chunk i computed by llama.cpp on top of chunks 0..i-1 (what the context holds, else
+        restored from the buffer), in pieces of _PIECE tokens, and spliced into the buffer (once
+        there is one: before the skeleton arrives, the context keeps the chunks computed so far).
+        Given up (_Stopped) as soon as a fetch of the chunk has arrived; between pieces, a
+        skeleton that arrived becomes the buffer and the link is fed."""
         rec = self.records[i]
         b, e = rec.begin, rec.end
         start = time.perf_counter()
-        if self.tps:
-            with self.cv:
-                self.cpu_free = start + self._text_s(i)
         if rec.decode_at_ms is None:
             rec.decode_at_ms = (start - self.t0) * 1e3
         if self.backup is None:
@@ -731,24 +777,42 @@ class _Loader:
             if b == 0:
                 forget_kv(self.llm, self.target)
             else:
+                assert self.state is not None  # without a buffer, the context holds chunks 0..i-1
                 before = codec.skeleton_state(self.skeleton, b)
                 codec.splice(before, self.state, 0, b)
                 if not restore_state(self.llm, before, self.target):
                     raise ModelMismatchError("llama.cpp refused the state of the chunks before a text chunk")
             self.held = b
         llama_cpp.llama_memory_seq_rm(memory, seq, b, -1)
-        for p in range(b, e, _PIECE):
-            if race is not None and race.done.is_set() and race.error is None:
-                llama_cpp.llama_memory_seq_rm(memory, seq, b, -1)
-                rec.compute_ms += (time.perf_counter() - start) * 1e3
-                raise _Stopped
-            self.held = -1
-            _decode_tokens(self.llm.ctx, self.tokens[p : min(e, p + _PIECE)], p, seq, int(self.llm.n_batch))
-        codec.splice(self.state, capture_state(self.llm, self.target), b, e)
-        self.held = e
-        seconds = time.perf_counter() - start
-        rec.compute_ms += seconds * 1e3
-        _learn_tps(self.tps_key, (e - b) / seconds)
+        with self.cv:
+            self.computing = i
+        try:
+            for p in range(b, e, _PIECE):
+                with self.cv:
+                    if self.tps:
+                        self.cpu_free = time.perf_counter() + (e - p) / self.tps
+                    job = self.jobs.get(i)
+                    if job is not None and job.done.is_set() and job.error is None:
+                        self.plan[i] = job.level
+                        rec.level, rec.reason = job.level, "raced"
+                        llama_cpp.llama_memory_seq_rm(memory, seq, b, -1)
+                        self.held = b
+                        raise _Stopped
+                    skeleton = self.skeleton_job
+                    self._feed()
+                if skeleton is not None and skeleton.done.is_set():
+                    self._take_skeleton(skeleton)
+                q = min(e, p + _PIECE)
+                self.held = -1
+                _decode_tokens(self.llm.ctx, self.tokens[p:q], p, seq, int(self.llm.n_batch))
+                self.held = q
+        finally:
+            rec.compute_ms += (time.perf_counter() - start) * 1e3
+            with self.cv:
+                self.computing = None
+        if self.state is not None:
+            codec.splice(self.state, capture_state(self.llm, self.target), b, e)
+        _learn_tps(self.tps_key, (e - b) / (time.perf_counter() - start))
         if not self.tps_given:
             with self.cv:
                 self.tps = _tps_cache.get(self.tps_key, self.tps)
@@ -770,65 +834,73 @@ class _Loader:
             _forget(self.llm, self.target)
 
     def assemble(self) -> bool:
-        """Fills the buffer (True), or the context itself when there is no skeleton (False)."""
-        start = time.perf_counter()
-        skeleton = self._skeleton()
-        self.skeleton_s = time.perf_counter() - start
-        if skeleton is None:
-            self._compute_all()
-            return False
-        self.skeleton = skeleton
-        n = int(self.tokens.size)
-        bound = chunks._state_bound(self.reader.fingerprint, n, self.skeleton)
-        self.state = codec.skeleton_state(self.skeleton, n, max_size=bound)
-        self.per_token = len(self.state) / n
+        """Fills the buffer (True), or the context itself when every chunk was computed before
+        a skeleton arrived (False)."""
+        self._start_skeleton()
         self._fill()
-        return True
+        with self.cv:
+            job = self.skeleton_job
+            if job is not None:  # every chunk computed first: the skeleton is not needed
+                job.abandoned = True
+                self.skeleton_job = None
+                self.skeleton_s = job.seconds
+                self.failures.append(f"skeleton not in after {job.seconds:.1f} s")
+                self.fallback = "the skeleton did not arrive: every chunk computed from text"
+        return self.state is not None
 
-    def _skeleton(self) -> bytes | None:
-        """The skeleton, fetched once more if that fails; None when it failed twice or stalled
-        (longer than computing the first chunk) and text may be computed."""
+    def _start_skeleton(self) -> None:
         skeleton_id = self.m.skeleton
         assert skeleton_id is not None
         key = chunks._skeleton_key(skeleton_id)
-        for attempt in (0, 1):
-            job = _Job(
-                self.reader, -1, "skeleton", lambda: self.reader.get_verified(key, skeleton_id, "skeleton")
+        with self.cv:
+            self.skeleton_tries += 1
+            self.skeleton_job = self.current = _Job(
+                self.reader,
+                -1,
+                "skeleton",
+                lambda: self.reader.get_verified(key, skeleton_id, "skeleton"),
+                on_done=self._wake,
             )
-            self.current = job
-            stall = self.adapt and self.text_ok
-            if not job.done.wait(max(0.2, self._text_s(0)) if stall else None):
-                job.abandoned = True
-                self.failures.append(f"skeleton stalled ({job.seconds:.1f} s)")
-                self.fallback = "the skeleton did not arrive: every chunk computed from text"
-                return None
-            self.current = None
-            if job.error is None:
-                if job.bytes:
-                    self.first_inv = job.seconds / job.bytes
-                return job.result
-            exc = job.error
-            self.failures.append(f"skeleton could not be fetched: {type(exc).__name__}: {exc}")
-            if attempt and not self.text_ok:
-                raise exc
-        self.fallback = "the skeleton could not be fetched: every chunk computed from text"
-        return None
 
-    def _compute_all(self) -> None:
-        """Every chunk computed into the context itself (no skeleton, so no buffer)."""
-        self.backup = (self._capture(),)
-        forget_kv(self.llm, self.target)
-        seq = 0 if self.target is None else self.target
-        for rec in self.records:
-            start = time.perf_counter()
-            rec.level, rec.reason, rec.mbps = TEXT, "failed", self._mbps()
-            rec.decode_at_ms = (start - self.t0) * 1e3
-            _decode_tokens(
-                self.llm.ctx, self.tokens[rec.begin : rec.end], rec.begin, seq, int(self.llm.n_batch)
-            )
-            rec.compute_ms = (time.perf_counter() - start) * 1e3
-            if self.progress is not None:
-                self.progress(rec)
+    def _wake(self, job: _Job) -> None:
+        with self.cv:
+            self.cv.notify_all()
+
+    def _take_skeleton(self, job: _Job) -> None:
+        """The skeleton that arrived becomes the buffer, with the chunks computed so far (the
+        context holds them) spliced in; one that failed is fetched once more, then every chunk
+        is computed from text (raised without text fallback)."""
+        with self.cv:
+            if self.skeleton_job is not job:
+                return
+            self.skeleton_job = None
+            self.skeleton_s = job.seconds
+            self._link_busy()
+        if job.error is None:
+            self.skeleton = job.result
+            if job.bytes:
+                self.first_inv = job.seconds / job.bytes
+            n = int(self.tokens.size)
+            bound = chunks._state_bound(self.reader.fingerprint, n, self.skeleton)
+            state = codec.skeleton_state(self.skeleton, n, max_size=bound)
+            computed = max((e for (_, e), d in zip(self.ranges, self.done, strict=True) if d), default=0)
+            if computed:  # chunks 0..k, all computed: the context holds them
+                codec.splice(state, capture_state(self.llm, self.target), 0, computed)
+            with self.cv:
+                self.state, self.per_token = state, len(state) / n
+            return
+        exc = job.error
+        self.failures.append(f"skeleton could not be fetched: {type(exc).__name__}: {exc}")
+        if self.skeleton_tries < 2:
+            self._start_skeleton()
+            return
+        if not self.text_ok:
+            raise exc
+        with self.cv:
+            self.fallback = "the skeleton could not be fetched: every chunk computed from text"
+            for k, d in enumerate(self.done):
+                if not d:
+                    self._claim(k, "failed")
 
 
 def _better(a: _Plan, b: _Plan) -> bool:

@@ -22,6 +22,7 @@ import ipaddress
 import json
 import os
 import sys
+import threading
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -88,6 +89,9 @@ class HttpStore(Store):
         token = os.environ.get(TOKEN_ENV, "").strip() if token is None else token
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         # idempotent requests only: a dropped keep-alive connection is retried on a fresh one
+        # (before the reply's headers; a body cut short is the caller's to fetch again)
+        self._reading: set[urllib3.BaseHTTPResponse] = set()  # GET bodies being read (close ends them)
+        self._lock = threading.Lock()
         self._pool = urllib3.PoolManager(
             maxsize=4,
             timeout=urllib3.Timeout(connect=connect_timeout, read=timeout),
@@ -103,14 +107,14 @@ class HttpStore(Store):
         return f"{self._base}/{urllib.parse.quote(path)}" + ("/" if listing and path else "")
 
     def _request(
-        self, method: str, key: str, data: bytes | None = None, *, listing: bool = False
+        self, method: str, key: str, data: bytes | None = None, *, listing: bool = False, preload: bool = True
     ) -> urllib3.BaseHTTPResponse:
         url = self._url(key if listing else check_key(key), listing=listing)
         headers = dict(self._headers)
         if data is not None:
             headers["Content-Type"] = "application/octet-stream"
         try:
-            response = self._pool.request(method, url, body=data, headers=headers)
+            response = self._pool.request(method, url, body=data, headers=headers, preload_content=preload)
         except urllib3.exceptions.HTTPError as exc:
             raise StoreError(f"HTTP {method} {url}: {exc}") from exc
         if response.status == 404:
@@ -126,7 +130,17 @@ class HttpStore(Store):
         return response
 
     def _get(self, key: str) -> bytes:
-        return self._request("GET", key).data
+        response = self._request("GET", key, preload=False)
+        with self._lock:
+            self._reading.add(response)
+        try:
+            return response.read()
+        except urllib3.exceptions.HTTPError as exc:
+            raise StoreError(f"HTTP GET {self._url(key)}: the body broke off: {exc}") from exc
+        finally:
+            with self._lock:
+                self._reading.discard(response)
+            response.release_conn()
 
     def _put(self, key: str, data: bytes) -> None:
         self._request("PUT", key, data)
@@ -165,6 +179,12 @@ class HttpStore(Store):
         """Nothing to do: the server marks an entry used on every GET."""
 
     def close(self) -> None:
+        """Ends the reads still in flight too (a fetch a streaming load gave up on, still on its
+        thread), which would otherwise take the link's bandwidth from the requests after them."""
+        with self._lock:
+            reading = list(self._reading)
+        for response in reading:
+            response.shutdown()
         self._pool.clear()
 
 
