@@ -210,7 +210,8 @@ def test_chunks_computed_before_a_late_skeleton_join_the_buffer(
     _continues(loader, original)
 
 
-def test_closing_the_http_store_ends_a_read_in_flight(relay: tuple[Relay, str]) -> None:
+@both_stores
+def test_closing_the_store_ends_a_read_in_flight(relay: tuple[Relay, str]) -> None:
     """A fetch a load gave up on must not keep taking the link: closing the store ends it, and
     it is not retried on a new connection."""
     r, url = relay

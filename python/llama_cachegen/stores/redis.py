@@ -31,6 +31,7 @@ class RedisStore(Store):
         self._lru = f"{self.prefix}__lru__"
         rest = urllib.parse.urlencode(query, doseq=True)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError,)
+        self._closed = False
         try:
             self._redis: Any = redis.Redis.from_url(urllib.parse.urlunsplit(parts._replace(query=rest)))
         except (ValueError, redis.RedisError) as exc:
@@ -41,6 +42,11 @@ class RedisStore(Store):
             return fn(*args, **kwargs)
         except self._errors as exc:
             raise StoreError(f"redis {what} failed on {self.url}: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            if not self._closed:
+                raise
+            # closed by another thread mid-reply: redis-py reads from a closed socket file
+            raise StoreError(f"redis {what} on {self.url}: the store was closed") from exc
 
     def _get(self, key: str) -> bytes:
         value = self._call("GET", self._redis.get, self.prefix + key)
@@ -82,4 +88,6 @@ class RedisStore(Store):
         self._call("ZADD", self._redis.zadd, self._lru, {check_key(key): time.time()}, xx=True)
 
     def close(self) -> None:
+        """Closes the connections, those with a reply being read too (their reads fail)."""
+        self._closed = True
         self._redis.close()
