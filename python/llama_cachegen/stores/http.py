@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import urllib.parse
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,16 @@ def bearer_ok(header: str | None, token: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
+class _Reader:
+    """A thread's GET in flight on one HttpStore, for close() to end."""
+
+    __slots__ = ("response", "cancelled", "__weakref__")
+
+    def __init__(self) -> None:
+        self.response: urllib3.BaseHTTPResponse | None = None  # once its reply's headers are in
+        self.cancelled = False  # closed while its request waited for the reply (or was retried)
+
+
 class HttpStore(Store):
     def __init__(
         self,
@@ -90,7 +101,10 @@ class HttpStore(Store):
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         # idempotent requests only: a dropped keep-alive connection is retried on a fresh one
         # (before the reply's headers; a body cut short is the caller's to fetch again)
-        self._reading: set[urllib3.BaseHTTPResponse] = set()  # GET bodies being read (close ends them)
+        # each reading thread's GET in flight (close ends them); an entry lives as long as its
+        # thread (a thread-local holds it)
+        self._local = threading.local()
+        self._readers: weakref.WeakValueDictionary[int, _Reader] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self._pool = urllib3.PoolManager(
             maxsize=4,
@@ -130,16 +144,23 @@ class HttpStore(Store):
         return response
 
     def _get(self, key: str) -> bytes:
+        reader = getattr(self._local, "reader", None)
+        if reader is None:
+            reader = self._local.reader = _Reader()
+            with self._lock:
+                self._readers[threading.get_ident()] = reader
+        reader.cancelled = False
         response = self._request("GET", key, preload=False)
-        with self._lock:
-            self._reading.add(response)
+        reader.response = response
         try:
+            if reader.cancelled:
+                response.shutdown()
+                raise StoreError(f"HTTP GET {self._url(key)}: the store was closed")
             return response.read()
         except urllib3.exceptions.HTTPError as exc:
             raise StoreError(f"HTTP GET {self._url(key)}: the body broke off: {exc}") from exc
         finally:
-            with self._lock:
-                self._reading.discard(response)
+            reader.response = None
             response.release_conn()
 
     def _put(self, key: str, data: bytes) -> None:
@@ -182,9 +203,11 @@ class HttpStore(Store):
         """Ends the reads still in flight too (a fetch a streaming load gave up on, still on its
         thread), which would otherwise take the link's bandwidth from the requests after them."""
         with self._lock:
-            reading = list(self._reading)
-        for response in reading:
-            response.shutdown()
+            readers = list(self._readers.values())
+        for reader in readers:
+            reader.cancelled = True
+            if reader.response is not None:
+                reader.response.shutdown()
         self._pool.clear()
 
 
