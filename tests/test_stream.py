@@ -193,6 +193,31 @@ def test_link_too_slow_for_the_skeleton_computes_every_chunk(
     _continues(loader, original)
 
 
+def test_streaming_into_another_sequence_computes_there(
+    relay: tuple[Relay, str], original: dict[str, Any]
+) -> None:
+    """A sequence-scoped save streamed into sequence 1 of a context whose sequence 0 holds other
+    text, on a link too slow for the skeleton: every chunk is computed in sequence 1 only, to the
+    K/V llama.cpp computes for the same tokens there. (Not the saved K/V: beside another
+    sequence's cells, llama.cpp's deeper layers come out ~2% apart, enough to change a greedy
+    continuation; a computed chunk is exact only where the context is laid out as the saver's.)"""
+    r, url = relay
+    seq_url = url + "-seq"
+    chunks.save_chunked(original["llm"], seq_url, levels=LEVELS, chunk_tokens=C, seq_id=0)
+    other_text = b"Another conversation, in sequence 0, that the load must leave alone."
+    target, twin = _llama(n_ctx=1400, n_seq_max=2), _llama(n_ctx=1400, n_seq_max=2)
+    for llm in (target, twin):
+        llm.eval(llm.tokenize(other_text))
+    other = capture_state(target, 0)
+    manifest = _manifest_bytes(seq_url)
+    r.set_trace(Trace.constant(2000.0))
+    report = stream.load_streaming(target, seq_url, slo_s=60.0, seq_id=1, manifest=manifest)
+    assert report.seq_id == 1 and report.text_chunks == list(range(CHUNKS))
+    assert capture_state(target, 0) == other
+    stream._decode_tokens(twin.ctx, np.array(original["prefix"]), 0, 1, 512)
+    assert capture_state(target, 1) == capture_state(twin, 1)
+
+
 def test_chunks_computed_before_a_late_skeleton_join_the_buffer(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:
