@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from llama_cachegen import chunks, stores, stream
-from llama_cachegen.errors import InvalidArgumentError, StoreError
+from llama_cachegen.errors import CorruptDataError, InvalidArgumentError, StoreError
 from llama_cachegen.llama import Llama, capture_state, restore_state
 from llama_cachegen.model import default_model_path
 from llama_cachegen.shaper import Relay, Trace, mbit
@@ -319,6 +319,37 @@ def test_chunk_corrupted_on_the_wire_is_fetched_again(
     assert [rec.level for rec in report.records] == ["lossless"] * CHUNKS and report.fallback is None
     assert len(report.failures) == 1 and sum(rec.retries for rec in report.records) == 1
     assert capture_state(loader, None) == original["state"]
+    _continues(loader, original)
+
+
+def test_skeleton_corrupted_on_the_wire_is_fetched_again(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    r, url = relay
+    manifest = _manifest_bytes(url)
+    r.corrupt(4096)  # one byte inside the skeleton's body (~13 kB), the first object fetched
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST, manifest=manifest)
+    assert len(report.failures) == 1 and "skeleton could not be fetched" in report.failures[0]
+    assert [rec.level for rec in report.records] == ["lossless"] * CHUNKS and report.fallback is None
+    assert capture_state(loader, None) == original["state"]
+
+
+def test_skeleton_corrupted_twice_is_computed_or_refused(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    r, url = relay
+    manifest = _manifest_bytes(url)
+    target = _llama()
+    target.eval(target.tokenize(b"An unrelated context that must survive a refused load."))
+    before = capture_state(target, None)
+    r.corrupt(4096, every=13_000)  # inside both fetches of the skeleton (~13 kB each)
+    with pytest.raises(CorruptDataError):
+        stream.load_streaming(target, url, slo_s=60.0, text_fallback=False, manifest=manifest)
+    assert capture_state(target, None) == before
+    r.corrupt(4096, every=13_000)
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST, manifest=manifest)
+    assert report.fallback is not None and "skeleton could not be fetched" in report.fallback
+    assert report.text_chunks == list(range(CHUNKS)) and len(report.failures) == 2
     _continues(loader, original)
 
 
