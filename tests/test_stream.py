@@ -235,26 +235,36 @@ def test_chunks_computed_before_a_late_skeleton_join_the_buffer(
     _continues(loader, original)
 
 
-@both_stores
-def test_closing_the_store_ends_a_read_in_flight(relay: tuple[Relay, str]) -> None:
-    """A fetch a load gave up on must not keep taking the link: closing the store ends it, and
-    it is not retried on a new connection."""
-    r, url = relay
-    store_url, _ = chunks.split_manifest_url(url)
+def _skeleton_key(url: str) -> str:
     skeleton = chunks.read_manifest(url).skeleton
     assert skeleton is not None
-    r.set_trace(Trace.constant(4000.0))  # 4 kB/s: the skeleton would take ~3 s
-    store = stores.open_store(store_url)
+    return chunks._skeleton_key(skeleton)
+
+
+def _read_in_thread(url: str, key: str) -> tuple[stores.Store, threading.Thread, list[BaseException]]:
+    """A store of the manifest's and a thread reading `key` from it (errors collected)."""
+    store = stores.open_store(chunks.split_manifest_url(url)[0])
     errors: list[BaseException] = []
 
     def read() -> None:
         try:
-            store.get(chunks._skeleton_key(skeleton))
+            store.get(key)
         except BaseException as exc:  # noqa: BLE001 - checked below
             errors.append(exc)
 
     reader = threading.Thread(target=read)
     reader.start()
+    return store, reader, errors
+
+
+@both_stores
+def test_closing_the_store_ends_a_read_in_flight(relay: tuple[Relay, str]) -> None:
+    """A fetch a load gave up on must not keep taking the link: closing the store ends it, and
+    it is not retried on a new connection."""
+    r, url = relay
+    key = _skeleton_key(url)  # the manifest read before the link is shaped
+    r.set_trace(Trace.constant(4000.0))  # 4 kB/s: the skeleton would take ~3 s
+    store, reader, errors = _read_in_thread(url, key)
     time.sleep(1.0)
     connections = r.connections
     store.close()
@@ -270,21 +280,9 @@ def test_a_read_closed_before_its_reply_is_not_completed_on_a_retry(relay: tuple
     connection is reset: urllib3 retries the request on a new connection, and that reply is
     dropped as soon as it starts instead of being read in full."""
     r, url = relay
-    store_url, _ = chunks.split_manifest_url(url)
-    skeleton = chunks.read_manifest(url).skeleton
-    assert skeleton is not None
+    key = _skeleton_key(url)  # the manifest read before the link is shaped
     r.set_trace(Trace.constant(100.0))
-    store = stores.open_store(store_url)
-    errors: list[BaseException] = []
-
-    def read() -> None:
-        try:
-            store.get(chunks._skeleton_key(skeleton))
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            errors.append(exc)
-
-    reader = threading.Thread(target=read)
-    reader.start()
+    store, reader, errors = _read_in_thread(url, key)
     time.sleep(0.3)
     store.close()
     sent = r.bytes_down
