@@ -130,8 +130,8 @@ void quantize_rows(const float * values, size_t n, uint32_t gn, const float * me
 // Converts n f16 values to float (F16C where the CPU has it).
 void f16_row_to_f32(const uint8_t * src, size_t n, float * dst);
 
-// Gathers gn f16 values at src + i * stride for each of n rows into n x gn floats (F16C, 8 at a
-// time, where the CPU has it and gn is a multiple of 8).
+// Gathers gn f16 values at src + i * stride for each of n rows into n x gn floats (F16C where the
+// CPU has it).
 void f16_rows_to_f32(const uint8_t * src, size_t stride, size_t n, uint32_t gn, float * dst);
 
 } // namespace lcg
