@@ -99,13 +99,13 @@ class HttpStore(Store):
         self._root = "/".join(s for s in parts.path.split("/") if s)  # a key prefix on the server
         token = os.environ.get(TOKEN_ENV, "").strip() if token is None else token
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        # idempotent requests only: a dropped keep-alive connection is retried on a fresh one
-        # (before the reply's headers; a body cut short is the caller's to fetch again)
         # each reading thread's GET in flight (close ends them); an entry lives as long as its
         # thread (a thread-local holds it)
         self._local = threading.local()
         self._readers: weakref.WeakValueDictionary[int, _Reader] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
+        # idempotent requests only: a dropped keep-alive connection is retried on a fresh one
+        # (before the reply's headers; a body cut short is the caller's to fetch again)
         self._pool = urllib3.PoolManager(
             maxsize=4,
             timeout=urllib3.Timeout(connect=connect_timeout, read=timeout),
