@@ -82,6 +82,13 @@ typedef enum {
     LCG_TRANSFORM_ANCHOR_DELTA = 1
 } lcg_transform;
 
+/* How a model's RoPE pairs channels within a head (llama.cpp's rope types). */
+typedef enum {
+    LCG_ROPE_NONE     = 0,
+    LCG_ROPE_ADJACENT = 1, /* (2i, 2i + 1): LLAMA_ROPE_TYPE_NORM                                */
+    LCG_ROPE_HALVES   = 2  /* (i, i + n_dims / 2): LLAMA_ROPE_TYPE_NEOX                          */
+} lcg_rope_pairing;
+
 /* Which llama.cpp state a buffer holds. */
 typedef enum {
     LCG_KIND_AUTO        = 0, /* detect: only valid as an encode parameter                       */
@@ -126,7 +133,15 @@ typedef struct {
     uint32_t slice_elements;
     int32_t  transform;     /* lcg_transform (lossy levels)                                      */
     uint32_t anchor_tokens; /* LCG_TRANSFORM_ANCHOR_DELTA: tokens per group, 2..255 (0: 10)       */
-    uint32_t reserved[5];   /* zero                                                              */
+    /* The model's RoPE (lossy levels, keys, not with anchor/delta): keys are stored rotated by their
+     * position, which spreads each channel pair's steady mean over the pair; a K tensor whose spread
+     * shrinks by rotating it back with one of rope_bases is coded so (fewer bits at the same
+     * squared error) and rotated forward on decode, on the CPU only. rope_pairing 0: off.      */
+    int32_t  rope_pairing;  /* lcg_rope_pairing                                                   */
+    uint16_t rope_head_dim; /* channels per KV head                                              */
+    uint16_t rope_n_dims;   /* rotated channels at the start of each head (even, <= head_dim)   */
+    float    rope_bases[2]; /* candidate bases (e.g. global and sliding-window layers); 0: unused */
+    float    rope_freq_scale; /* theta_i = rope_freq_scale x base^(-2i / n_dims); 0: 1          */
 } lcg_encode_params;
 
 /* What lcg_inspect reports about a container, from its header and layout only. */

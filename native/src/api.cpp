@@ -84,6 +84,23 @@ EncodeOptions options(const lcg_encode_params * params) {
     if (p.transform == LCG_TRANSFORM_ANCHOR_DELTA) {
         opt.knobs.anchor_tokens = p.anchor_tokens ? p.anchor_tokens : 10;
     }
+    if (p.rope_pairing != LCG_ROPE_NONE && p.level != LCG_LEVEL_LOSSLESS) {
+        LCG_CHECK(p.transform == LCG_TRANSFORM_NONE, LCG_ERR_INVALID_ARGUMENT, "RoPE with the anchor/delta transform");
+        opt.rope.pairing = static_cast<uint8_t>(p.rope_pairing);
+        opt.rope.head_dim = p.rope_head_dim;
+        opt.rope.n_dims = p.rope_n_dims;
+        opt.rope.bases[0] = p.rope_bases[0];
+        opt.rope.bases[1] = p.rope_bases[1];
+        opt.rope.scale = p.rope_freq_scale == 0.0f ? 1.0f : p.rope_freq_scale;
+        const Rope first{opt.rope.pairing, opt.rope.head_dim, opt.rope.n_dims, p.rope_bases[0], opt.rope.scale};
+        LCG_CHECK(rope_fits(first, first.head_dim) && (p.rope_bases[1] == 0.0f || (std::isfinite(p.rope_bases[1]) &&
+                                                                                 p.rope_bases[1] > 1.0f)),
+                  LCG_ERR_INVALID_ARGUMENT,
+                  "RoPE pairing %d, head of %u, %u rotated, bases %g / %g, scale %g: expected pairing 1 or 2, an "
+                  "even n_dims <= head_dim, bases > 1 (the second may be 0), scale > 0",
+                  p.rope_pairing, p.rope_head_dim, p.rope_n_dims, p.rope_bases[0], p.rope_bases[1],
+                  p.rope_freq_scale);
+    }
     opt.slice_elements = p.slice_elements ? p.slice_elements : rans::DEFAULT_SLICE;
     LCG_CHECK(opt.slice_elements % rans::LANES == 0 && opt.slice_elements <= rans::MAX_SLICE, LCG_ERR_INVALID_ARGUMENT,
               "slice_elements %u: expected a multiple of %u up to %u", opt.slice_elements, rans::LANES, rans::MAX_SLICE);

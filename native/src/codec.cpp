@@ -1,5 +1,7 @@
 #include "codec.h"
 
+#include <mutex>
+
 #include <algorithm>
 #include <cstdlib>
 
@@ -94,7 +96,8 @@ std::vector<std::vector<uint8_t>> sink_flags(const ParsedState & st, const Encod
 void prepare_one(const uint8_t * state, const ParsedState & st, const EncodeOptions & opt,
                  const std::vector<std::vector<uint8_t>> & is_sink, size_t i, TensorEncoder & e) {
     const TensorDesc & t = st.tensors[i];
-    prepare_tensor(state, t, opt.level == LCG_LEVEL_LOSSLESS ? nullptr : &opt.knobs, is_sink[t.cell_group], e);
+    prepare_tensor(state, t, opt.level == LCG_LEVEL_LOSSLESS ? nullptr : &opt.knobs, opt.rope.pairing ? &opt.rope : nullptr,
+                   is_sink[t.cell_group], st.groups[t.cell_group].pos, e);
 }
 
 std::vector<TensorEncoder> prepare_tensors(const uint8_t * state, const ParsedState & st, const EncodeOptions & opt,
@@ -329,9 +332,10 @@ struct HostSink : DecodeSink {
     }
     void zero(uint64_t dst_offset, uint64_t size) override { std::memset(state + dst_offset, 0, size); }
     void tensor(size_t, ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, const TensorDesc & dst,
-                const std::vector<uint32_t> & row_cell) override {
-        decode_rows(r, obj, dec, state, dst, row_cell);
+                const std::vector<uint32_t> & row_cell, const std::vector<int32_t> * cell_pos) override {
+        decode_rows(r, obj, dec, state, dst, row_cell, cell_pos);
     }
+    const uint8_t * host_state() const override { return state; }
 };
 
 } // namespace
@@ -362,6 +366,9 @@ size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, siz
     }
     const auto stats_sec = tensor_sections(c, LCG_SECTION_STATS, L.tensors.size());
     const auto rows_sec = tensor_sections(c, LCG_SECTION_TENSOR, L.tensors.size());
+    // Cell positions (RoPE-coded keys), read from the destination's verbatim bytes when first needed.
+    std::once_flag parse_once;
+    ParsedState parsed;
     parallel_for(L.tensors.size(), n_threads, [&](size_t i) {
         const TensorDesc & t = L.tensors[i];
         ByteReader sr = c.section_reader(*stats_sec[i], "statistics section");
@@ -371,8 +378,13 @@ size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, siz
         for (uint32_t k = 0; k < t.n_cells; k++) {
             cells[k] = k;
         }
+        const std::vector<int32_t> * cell_pos = nullptr;
+        if (dec.stats.rope.pairing && sink.host_state()) {
+            std::call_once(parse_once, [&] { parsed = parse_state(sink.host_state(), state_size, c.header.state_kind); });
+            cell_pos = &parsed.groups.at(t.cell_group).pos;
+        }
         ByteReader r = c.section_reader(*rows_sec[i], "tensor section");
-        sink.tensor(i, r, t, dec, t, cells);
+        sink.tensor(i, r, t, dec, t, cells, cell_pos);
         LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray bytes", i, r.remaining());
     });
     return state_size;
@@ -533,7 +545,8 @@ void decode_chunk_to(const uint8_t * chunk, size_t chunk_size, const Stats & sta
     const auto rows_sec = tensor_sections(c, LCG_SECTION_TENSOR, L.tensors.size());
     parallel_for(L.tensors.size(), n_threads, [&](size_t i) {
         ByteReader r = c.section_reader(*rows_sec[i], "tensor section");
-        sink.tensor(i, r, L.tensors[i], stats.tensors[i], st.tensors[i], rows[st.tensors[i].cell_group]);
+        const uint32_t g = st.tensors[i].cell_group;
+        sink.tensor(i, r, L.tensors[i], stats.tensors[i], st.tensors[i], rows[g], &st.groups[g].pos);
         LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray bytes", i, r.remaining());
     });
 }

@@ -17,6 +17,7 @@ struct EncodeOptions {
     int32_t n_threads;
     QuantKnobs knobs;
     uint32_t slice_elements;  // symbols per stream slice
+    RopeHint rope;            // pairing 0: keys coded as stored
     const uint8_t * user_meta;
     size_t user_meta_size;
 };
@@ -50,9 +51,14 @@ struct DecodeSink {
     virtual void copy(uint64_t dst_offset, const uint8_t * src, uint64_t size) = 0;
     virtual void zero(uint64_t dst_offset, uint64_t size) = 0;
     // Tensor i: its section `r`, coded as `obj`, goes to `dst` (offset in the state), object row r
-    // to cell row_cell[r].
+    // to cell row_cell[r], at position (*cell_pos)[row_cell[r]] (NULL where the walker cannot tell:
+    // RoPE-coded keys are then refused).
     virtual void tensor(size_t i, ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec,
-                        const TensorDesc & dst, const std::vector<uint32_t> & row_cell) = 0;
+                        const TensorDesc & dst, const std::vector<uint32_t> & row_cell,
+                        const std::vector<int32_t> * cell_pos) = 0;
+    // The destination when it is host memory (its cells' positions can then be read once the
+    // verbatim segments are in), else NULL.
+    virtual const uint8_t * host_state() const { return nullptr; }
 };
 size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, size_t dst_capacity, DecodeSink & sink);
 // Writes the state of a skeleton's first n_pos positions, K/V zero, into dst (NULL: only its size)

@@ -174,12 +174,14 @@ struct DeviceSink : DecodeSink {
     }
 
     void tensor(size_t i, ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, const TensorDesc & dst_t,
-                const std::vector<uint32_t> & row_cell) override {
+                const std::vector<uint32_t> & row_cell, const std::vector<int32_t> *) override {
         LCG_CHECK(dst_t.offset + dst_t.bytes() <= dst_capacity && row_cell.size() == obj.n_cells, LCG_ERR_INTERNAL,
                   "tensor %zu does not fit its destination", i);
         const TensorStats & s = dec.stats;
         LCG_CHECK(s.anchor_tokens == 0, LCG_ERR_UNSUPPORTED_FORMAT,
                   "tensor %zu is coded with the anchor/delta transform, which decodes on the CPU only", i);
+        LCG_CHECK(!s.rope.pairing, LCG_ERR_UNSUPPORTED_FORMAT,
+                  "tensor %zu is coded with the RoPE transform, which decodes on the CPU only", i);
         const DeviceStats::Tensor at = cached ? cached->tensors[i] : put_stats(arena, dec);
         cuda::TensorJob t{};
         t.dst = dst_t.offset;

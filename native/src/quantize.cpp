@@ -418,6 +418,18 @@ __attribute__((target("avx2,f16c"))) void f16_row_to_f32_f16c(const uint8_t * sr
     }
 }
 
+__attribute__((target("avx2,f16c"))) void f32_row_to_f16_f16c(const float * src, size_t n, uint8_t * dst) {
+    size_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + k), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + 2 * k), h);
+    }
+    for (; k < n; k++) {
+        const uint16_t h = f32_to_f16(src[k]);
+        std::memcpy(dst + 2 * k, &h, 2);
+    }
+}
+
 // One dispatch for all the rows; the row conversion inlines into the loop.
 __attribute__((target("avx2,f16c"))) void f16_rows_to_f32_f16c(const uint8_t * src, size_t stride, size_t n,
                                                                 uint32_t gn, float * dst) {
@@ -457,6 +469,19 @@ void f16_row_to_f32(const uint8_t * src, size_t n, float * dst) {
         uint16_t h;
         std::memcpy(&h, src + 2 * k, 2);
         dst[k] = f16_to_f32(h);
+    }
+}
+
+void f32_row_to_f16(const float * src, size_t n, uint8_t * dst) {
+#if defined(__x86_64__)
+    if (cpu_has_avx2) {
+        f32_row_to_f16_f16c(src, n, dst);
+        return;
+    }
+#endif
+    for (size_t k = 0; k < n; k++) {
+        const uint16_t h = f32_to_f16(src[k]);
+        std::memcpy(dst + 2 * k, &h, 2);
     }
 }
 

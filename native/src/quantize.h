@@ -130,6 +130,9 @@ void quantize_rows(const float * values, size_t n, uint32_t gn, const float * me
 // Converts n f16 values to float (F16C where the CPU has it).
 void f16_row_to_f32(const uint8_t * src, size_t n, float * dst);
 
+// Converts n floats to f16, rounding to nearest even (F16C where the CPU has it).
+void f32_row_to_f16(const float * src, size_t n, uint8_t * dst);
+
 // Gathers gn f16 values at src + i * stride for each of n rows into n x gn floats (F16C where the
 // CPU has it).
 void f16_rows_to_f32(const uint8_t * src, size_t stride, size_t n, uint32_t gn, float * dst);

@@ -22,6 +22,7 @@ constexpr uint8_t CODING_LOSSY = 1;
 // misread.
 constexpr uint16_t TRANSFORM_NONE = 0;
 constexpr uint16_t TRANSFORM_ANCHOR_DELTA = 1;
+constexpr uint16_t TRANSFORM_ROPE = 2;
 
 // Units per table: the fewest, from 8 up to 32, whose table covers ~16K symbols of the whole
 // state, so that tables stay near 1% of the coded size. A multiple of 8: an AVX2 vector of 8
@@ -177,11 +178,11 @@ uint32_t reference_rotation(const TensorDesc & t) {
     return rot;
 }
 
-// The error budget of a tensor under knobs with a reference type: ref_scale x the squared error
-// of that llama.cpp cache type on (a sample of) its non-sink rows, per non-sink row.
-double reference_budget(const uint8_t * base, const TensorDesc & t, const QuantKnobs & k,
-                        const std::vector<uint8_t> & is_sink) {
-    constexpr size_t MAX_SAMPLE = 256;  // rows: the error is an average, a sample pins it well
+// Up to 256 of a tensor's non-sink rows, evenly spread, as floats (n_rows x n_units), and their
+// cells: statistics of the whole tensor (an average) are pinned well by such a sample.
+std::vector<float> sample_rows(const uint8_t * base, const TensorDesc & t, const std::vector<uint8_t> & is_sink,
+                               std::vector<uint32_t> & sampled) {
+    constexpr size_t MAX_SAMPLE = 256;
     const Strides st(t);
     std::vector<uint32_t> cells;
     for (uint32_t i = 0; i < t.n_cells; i++) {
@@ -189,22 +190,26 @@ double reference_budget(const uint8_t * base, const TensorDesc & t, const QuantK
             cells.push_back(i);
         }
     }
+    sampled.clear();
     if (cells.empty()) {
-        return 0.0;
+        return {};
     }
     const size_t stride = (cells.size() + MAX_SAMPLE - 1) / MAX_SAMPLE;
-    const size_t n_rows = (cells.size() + stride - 1) / stride;
+    for (size_t r = 0; r * stride < cells.size(); r++) {
+        sampled.push_back(cells[r * stride]);
+    }
+    const size_t n_rows = sampled.size();
     std::vector<float> rows(n_rows * t.n_units);
     if (t.transposed) {  // unit by unit: each unit's cells are one contiguous run
         for (uint32_t u = 0; u < t.n_units; u++) {
             const uint8_t * unit = base + u * st.unit;
             for (size_t r = 0; r < n_rows; r++) {
-                rows[r * t.n_units + u] = load_float(unit + cells[r * stride] * st.cell, t.ggml_type);
+                rows[r * t.n_units + u] = load_float(unit + sampled[r] * st.cell, t.ggml_type);
             }
         }
     } else {
         for (size_t r = 0; r < n_rows; r++) {
-            const uint8_t * cell = base + cells[r * stride] * st.cell;
+            const uint8_t * cell = base + sampled[r] * st.cell;
             float * row = &rows[r * t.n_units];
             if (t.ggml_type == GGML_F16) {
                 f16_row_to_f32(cell, t.n_units, row);
@@ -215,8 +220,50 @@ double reference_budget(const uint8_t * base, const TensorDesc & t, const QuantK
             }
         }
     }
+    return rows;
+}
+
+// The error budget of a tensor under knobs with a reference type: ref_scale x the squared error
+// of that llama.cpp cache type on a sample of its non-sink rows, per non-sink row.
+double reference_budget(const TensorDesc & t, const QuantKnobs & k, const std::vector<float> & rows) {
+    const size_t n_rows = rows.size() / t.n_units;
+    if (n_rows == 0) {
+        return 0.0;
+    }
     const double err = reference_sq_error(rows.data(), n_rows, t.n_units, k.ref_type, reference_rotation(t));
     return k.ref_scale * err / static_cast<double>(n_rows);
+}
+
+// Rotates back channels [u0, u0 + gn) of every cell, loaded in v (load_values), by the tensor's
+// rope; `partner` is scratch of the same size.
+void rotate_group(const uint8_t * base, const TensorDesc & t, const Rope & rope, const RopeTable & tab, uint32_t u0,
+                  uint32_t gn, float * v, float * partner) {
+    const size_t n = t.n_cells;
+    // Partners inside the group (adjacent pairs) are copied, runs of them outside loaded.
+    for (uint32_t g = 0; g < gn;) {
+        const uint32_t p = rope_partner(tab, rope.head_dim, u0 + g);
+        if (p >= u0 && p < u0 + gn) {
+            for (size_t k = 0; k < n; k++) {
+                partner[k * gn + g] = v[k * gn + (p - u0)];
+            }
+            g++;
+            continue;
+        }
+        uint32_t len = 1;
+        while (g + len < gn && rope_partner(tab, rope.head_dim, u0 + g + len) == p + len &&
+               (p + len < u0 || p + len >= u0 + gn)) {
+            len++;
+        }
+        std::vector<float> run(n * len);
+        load_values(base, t, p, len, run.data());
+        for (size_t k = 0; k < n; k++) {
+            for (uint32_t j = 0; j < len; j++) {
+                partner[k * gn + g + j] = run[k * len + j];
+            }
+        }
+        g += len;
+    }
+    rotate_back(tab, rope.head_dim, u0, gn, n, partner, v);
 }
 
 // The value a decoder writes for element (step, shrink, mean, symbol q) of a tensor of `type`.
@@ -380,9 +427,23 @@ void sort_escapes(const TensorDesc & t, std::vector<std::pair<uint64_t, int64_t>
 // channel minimizes the group's squared error for its bits (measured: less KL at the same size).
 // rel is the knobs' fixed step, or the one whose squared error (a uniform quantizer's step^2 / 12
 // per value) meets the reference budget.
-bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs & k,
-                   const std::vector<uint8_t> & is_sink, TensorEncoder & e) {
+bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs & k, const RopeHint * hint,
+                   const std::vector<uint8_t> & is_sink, const std::vector<int32_t> & pos, TensorEncoder & e) {
     TensorStats & s = e.stats;
+    std::vector<uint32_t> sampled;
+    const std::vector<float> sample = sample_rows(base, t, is_sink, sampled);
+    // RoPE: keys only (V is not rotated), rows not coded against each other.
+    RopeTable tab;
+    if (hint && !t.is_v && !t.transposed && !k.anchor_tokens && !sampled.empty()) {
+        std::vector<int32_t> sample_pos(sampled.size());
+        for (size_t r = 0; r < sampled.size(); r++) {
+            sample_pos[r] = pos[sampled[r]];
+        }
+        s.rope = choose_rope(*hint, sample.data(), sample_pos.data(), sampled.size(), t.n_units);
+        if (s.rope.pairing) {
+            tab = rope_table(s.rope, pos.data(), pos.size());
+        }
+    }
     const size_t n = t.n_cells;
     s.mean_f16.resize(t.n_units);
     s.step_f16.resize(s.n_groups);
@@ -392,6 +453,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     // whole tensor's floats held at once (twice an f16 tensor's size per encoding thread: 400 MB for
     // one K tensor of a 7B model's 100K-token context); measured as fast. Loaded before use.
     std::unique_ptr<float[]> values(new float[n * s.group]);
+    std::unique_ptr<float[]> partner(s.rope.pairing ? new float[n * s.group] : nullptr);
     std::vector<double> mean_d(t.n_units), group_var(s.n_groups);
     std::vector<float> group_max(s.n_groups);
     uint64_t count = 0;
@@ -413,7 +475,18 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
             mean_d[u0 + g] = sum[g] / n_samples;
             var_sum += std::max(0.0, sum_sq[g] / n_samples - mean_d[u0 + g] * mean_d[u0 + g]);
         }
+        // The steps follow the values as stored, so that the error falls on the channels as it does
+        // without the transform (measured on SmolLM2: steps from the rotated-back spread moved the
+        // error onto channels that matter more, twice the KL at the same squared error); the
+        // rotated-back values only give the means the symbols gather around.
         group_var[gi] = var_sum / gn;
+        if (s.rope.pairing) {
+            rotate_group(base, t, s.rope, tab, u0, gn, v, partner.get());
+            group_moments(v, n, gn, is_sink.data(), sum, sum_sq, &group_max[gi]);
+            for (uint32_t g = 0; g < gn; g++) {
+                mean_d[u0 + g] = sum[g] / n_samples;
+            }
+        }
     }
     double rel = layer_step(k, t.is_v, t.layer, t.n_layer);
     if (k.ref_type >= 0 && t.n_units % 32 == 0) {
@@ -421,7 +494,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         for (uint32_t gi = 0; gi < s.n_groups; gi++) {
             per_row += group_var[gi] * std::min(s.group, t.n_units - gi * s.group);
         }
-        const double budget = reference_budget(base, t, k, is_sink);
+        const double budget = reference_budget(t, k, sample);
         const double ramp = layer_step(k, t.is_v, t.layer, t.n_layer) / (t.is_v ? k.v_step : k.k_step);
         rel = per_row > 0.0 ? std::sqrt(12.0 * budget / per_row) * ramp : 1.0;
     }
@@ -455,10 +528,16 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         for (uint32_t g = 0; s.anchor_tokens && g < gn; g++) {
             reach = std::max(reach, 2.0 * group_max[gi] + std::fabs(mean[g]) + 2.0 * f16_to_f32(s.step_f16[gi]));
         }
+        if (s.rope.pairing) {  // rotated forward, a pair's values mix: |a cos - b sin| <= sqrt(2) max
+            reach *= std::sqrt(2.0);
+        }
         if (reach >= max_finite(t.ggml_type)) {
             return false;
         }
         load_values(base, t, u0, gn, values.get());
+        if (s.rope.pairing) {
+            rotate_group(base, t, s.rope, tab, u0, gn, values.get(), partner.get());
+        }
         escapes.clear();
         ShrinkSum shrink;
         // Anchor/delta: anchor rows (and all rows without the transform) first.
@@ -1058,7 +1137,16 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
 void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t) {
     w.u8(s.lossy ? CODING_LOSSY : CODING_LOSSLESS);
     w.u8(static_cast<uint8_t>(s.group));
-    w.u16(s.anchor_tokens ? static_cast<uint16_t>(TRANSFORM_ANCHOR_DELTA | s.anchor_tokens << 8) : TRANSFORM_NONE);
+    if (s.rope.pairing) {
+        w.u16(TRANSFORM_ROPE);
+        w.u8(s.rope.pairing);
+        w.u16(s.rope.head_dim);
+        w.u16(s.rope.n_dims);
+        w.f32(s.rope.base);
+        w.f32(s.rope.scale);
+    } else {
+        w.u16(s.anchor_tokens ? static_cast<uint16_t>(TRANSFORM_ANCHOR_DELTA | s.anchor_tokens << 8) : TRANSFORM_NONE);
+    }
     if (s.lossy) {
         for (uint32_t gi = 0; gi < s.n_groups; gi++) {
             w.u16(s.step_f16[gi]);
@@ -1084,10 +1172,22 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & t) {
     const uint16_t transform = r.u16();
     LCG_CHECK(coding <= CODING_LOSSY && (s.group == 8 || s.group == 16 || s.group == 32), LCG_ERR_CORRUPT,
               "tensor statistics: coding %u, group of %u units", coding, s.group);
-    s.anchor_tokens = transform >> 8;
-    LCG_CHECK(transform == TRANSFORM_NONE || ((transform & 0xff) == TRANSFORM_ANCHOR_DELTA && coding == CODING_LOSSY &&
-                                              s.anchor_tokens >= 2),
-              LCG_ERR_CORRUPT, "tensor statistics: unknown transform %u", transform);
+    if (transform == TRANSFORM_ROPE) {
+        s.rope.pairing = r.u8();
+        s.rope.head_dim = r.u16();
+        s.rope.n_dims = r.u16();
+        s.rope.base = r.f32();
+        s.rope.scale = r.f32();
+        LCG_CHECK(coding == CODING_LOSSY && !t.is_v && !t.transposed && rope_fits(s.rope, t.n_units), LCG_ERR_CORRUPT,
+                  "tensor statistics: RoPE pairing %u, head of %u, %u rotated, base %g, scale %g for %s of %u units",
+                  s.rope.pairing, s.rope.head_dim, s.rope.n_dims, s.rope.base, s.rope.scale, t.is_v ? "V" : "K",
+                  t.n_units);
+    } else {
+        s.anchor_tokens = transform >> 8;
+        LCG_CHECK(transform == TRANSFORM_NONE || ((transform & 0xff) == TRANSFORM_ANCHOR_DELTA &&
+                                                  coding == CODING_LOSSY && s.anchor_tokens >= 2),
+                  LCG_ERR_CORRUPT, "tensor statistics: unknown transform %u", transform);
+    }
     s.lossy = coding == CODING_LOSSY;
     LCG_CHECK(!s.lossy || ggml_type_info(t.ggml_type)->is_float, LCG_ERR_CORRUPT, "lossy statistics for a %s tensor",
               ggml_type_info(t.ggml_type)->name);
@@ -1126,13 +1226,14 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & t) {
     return s;
 }
 
-void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnobs * knobs,
-                    const std::vector<uint8_t> & is_sink, TensorEncoder & e) {
+void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnobs * knobs, const RopeHint * rope,
+                    const std::vector<uint8_t> & is_sink, const std::vector<int32_t> & pos, TensorEncoder & e) {
     const uint8_t * base = state + t.offset;
     TensorStats & s = e.stats;
     s.group = group_size(t.n_cells);
     s.n_groups = (t.n_units + s.group - 1) / s.group;
-    s.lossy = knobs != nullptr && ggml_type_info(t.ggml_type)->is_float && prepare_lossy(base, t, *knobs, is_sink, e);
+    s.lossy = knobs != nullptr && ggml_type_info(t.ggml_type)->is_float &&
+              prepare_lossy(base, t, *knobs, rope, is_sink, pos, e);
     if (!s.lossy) {
         e = TensorEncoder{};
         s.group = group_size(t.n_cells);
@@ -1312,7 +1413,7 @@ TensorDecoder prepare_decoder(TensorStats stats) {
 }
 
 void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * state,
-                 const TensorDesc & dst, const std::vector<uint32_t> & row_cell) {
+                 const TensorDesc & dst, const std::vector<uint32_t> & row_cell, const std::vector<int32_t> * cell_pos) {
     uint8_t * base = state + dst.offset;
     const Strides ds(dst);
     const uint32_t n_sink = r.u32();
@@ -1328,6 +1429,17 @@ void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & d
         decode_lossy(r, obj, dec, base, dst, row_cell);
     } else {
         decode_lossless(r, obj, dec, base, dst, row_cell);
+    }
+    // RoPE: every row rotated forward by its position, then the exact rows put over theirs.
+    if (dec.stats.rope.pairing) {
+        LCG_CHECK(cell_pos != nullptr, LCG_ERR_UNSUPPORTED_FORMAT,
+                  "RoPE-coded keys decode on the CPU only (encode without rope= for a device)");
+        std::vector<int32_t> pos(obj.n_cells);
+        for (uint32_t row = 0; row < obj.n_cells; row++) {
+            pos[row] = (*cell_pos)[row_cell[row]];
+        }
+        const RopeTable tab = rope_table(dec.stats.rope, pos.data(), pos.size());
+        rotate_forward(tab, dec.stats.rope.head_dim, obj.n_units, obj.ggml_type, base, ds.cell, ds.unit, row_cell);
     }
     for (uint32_t i = 0; i < n_sink; i++) {
         for (uint32_t u = 0; u < obj.n_units; u++) {

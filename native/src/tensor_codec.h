@@ -5,6 +5,7 @@
 
 #include "quantize.h"
 #include "rans.h"
+#include "rope.h"
 #include "state_format.h"
 
 #include <memory>
@@ -18,6 +19,8 @@ struct TensorStats {
     // Lossy transform (docs/format.md, "Stats section"): with anchor_tokens = N > 0, object row r
     // with r % N != 0 codes its difference from row r - r % N (CacheGen's anchor/delta grouping).
     uint32_t anchor_tokens = 0;
+    // Lossy K: values coded rotated back by their position (rope.h); pairing 0: not.
+    Rope rope;
     uint32_t group = 8;  // units per frequency table (and per quantizer step)
     uint32_t n_groups = 0;
     // lossy: per unit mean, per group step and reconstruction offset (f16 / u8 as stored)
@@ -44,8 +47,9 @@ struct TensorEncoder {
 // lossless) when the tensor is f32/f16/bf16 and its values are finite; cells with is_sink[cell]
 // are kept exact. With knobs->anchor_tokens, state row (cell) i is coded from cell i - i % N: an
 // object decodes the same only when its rows are the state's cells in order from a multiple of N.
-void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnobs * knobs,
-                    const std::vector<uint8_t> & is_sink, TensorEncoder & e);
+// With a rope hint (NULL: none), a K tensor may be coded rotated back by its cells' positions `pos`.
+void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnobs * knobs, const RopeHint * rope,
+                    const std::vector<uint8_t> & is_sink, const std::vector<int32_t> & pos, TensorEncoder & e);
 
 // Codes the rows `cells` (state cell indices, in object row order) of tensor t, its streams cut
 // into slices of slice_elements symbols (a positive multiple of 32).
@@ -64,8 +68,9 @@ struct TensorDecoder {
 TensorDecoder prepare_decoder(TensorStats stats);
 
 // Decodes one tensor section (m = obj.n_cells rows) into the destination tensor `dst` of the
-// state at `state`: object row r goes to dst cell row_cell[r].
+// state at `state`: object row r goes to dst cell row_cell[r], whose position is cell_pos[dst cell]
+// (needed by rope-coded tensors only: NULL refuses them).
 void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * state,
-                 const TensorDesc & dst, const std::vector<uint32_t> & row_cell);
+                 const TensorDesc & dst, const std::vector<uint32_t> & row_cell, const std::vector<int32_t> * cell_pos);
 
 } // namespace lcg

@@ -2,6 +2,7 @@
 
 from .codec import (
     DeviceBuffer,
+    Rope,
     cuda_available,
     decode,
     decode_into,
@@ -49,6 +50,7 @@ __all__ = [
     "UnsupportedFormatError",
     "UnsupportedVersionError",
     "DeviceBuffer",
+    "Rope",
     "cuda_available",
     "decode",
     "decode_into",
@@ -67,6 +69,7 @@ _LAZY = {
     "LoadReport": "llama",
     "load_compressed_state": "llama",
     "save_compressed_state": "llama",
+    "model_rope": "llama",
     "load_chunked": "chunks",
     "load_prefix": "chunks",
     "longest_prefix": "chunks",

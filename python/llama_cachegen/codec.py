@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ._native import check, ffi, lib
@@ -30,6 +31,28 @@ SECTION_NAMES: dict[int, str] = {
     for name in ("layout", "verbatim", "tensor", "user_meta", "stats", "stats_ref")
 }
 STATS_ID_BYTES = 32
+ROPE_PAIRINGS: dict[str, int] = {
+    name: getattr(lib, f"LCG_ROPE_{name.upper()}") for name in ("adjacent", "halves")
+}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A model's RoPE, for coding its keys rotated back by position (lossy levels, CPU decode).
+
+    `pairing`: "adjacent" (channels 2i, 2i + 1 of a head: llama.cpp's NORM rope type) or "halves"
+    (i, i + n_dims / 2: NEOX); `bases`: one or two candidate frequency bases (e.g. global and
+    sliding-window layers), each K tensor taking the one that shrinks its channels' spread most, or
+    none. `llama_cachegen.model_rope(llm)` reads it from a loaded model.
+    """
+
+    pairing: str
+    head_dim: int
+    n_dims: int
+    bases: tuple[float, ...]
+    freq_scale: float = 1.0
+
+
 _REFERENCE_NAMES = {2: "q4_0", 7: "q5_1", 8: "q8_0"}  # ggml type ids (docs/llama-state.md)
 
 
@@ -74,6 +97,7 @@ def _params(
     slice_elements: int | None = None,
     transform: str = "none",
     anchor_tokens: int | None = None,
+    rope: Rope | None = None,
 ) -> Any:
     params = ffi.new("lcg_encode_params *", lib.lcg_encode_default_params())
     params.level = _level(level)
@@ -100,6 +124,22 @@ def _params(
         if not 2 <= anchor_tokens <= 255:
             raise InvalidArgumentError(f"anchor_tokens {anchor_tokens}: expected 2..255")
         params.anchor_tokens = anchor_tokens
+    if rope is not None:
+        if rope.pairing not in ROPE_PAIRINGS or not 1 <= len(rope.bases) <= 2:
+            raise InvalidArgumentError(
+                f"rope pairing {rope.pairing!r} with {len(rope.bases)} bases: expected "
+                f"{' or '.join(ROPE_PAIRINGS)} and one or two bases"
+            )
+        if not (0 < rope.head_dim < 2**16 and 0 < rope.n_dims < 2**16):
+            raise InvalidArgumentError(
+                f"rope head_dim {rope.head_dim}, n_dims {rope.n_dims}: expected 1..65535"
+            )
+        params.rope_pairing = ROPE_PAIRINGS[rope.pairing]
+        params.rope_head_dim = rope.head_dim
+        params.rope_n_dims = rope.n_dims
+        for i, base in enumerate(rope.bases):
+            params.rope_bases[i] = base
+        params.rope_freq_scale = rope.freq_scale
     return params
 
 
@@ -125,6 +165,7 @@ def encode(
     slice_elements: int | None = None,
     transform: str = "none",
     anchor_tokens: int | None = None,
+    rope: Rope | None = None,
     user_meta: Buffer = b"",
 ) -> bytes:
     """Compresses a llama.cpp state (any supported kind) into a llama-cachegen container.
@@ -135,8 +176,9 @@ def encode(
     override the level's preset; `slice_elements` (a multiple of 32, default 65536) is how many
     symbols each independently decodable slice of a stream codes; `transform="anchor-delta"`
     codes each token of a group of `anchor_tokens` (default 10) as its difference from the group's
-    first (CacheGen's grouping; CPU decode only); `user_meta` is stored verbatim (checksummed) in
-    the container.
+    first (CacheGen's grouping; CPU decode only); `rope` (a `Rope`, e.g. `model_rope(llm)`) codes
+    keys rotated back by their position where that shrinks them (CPU decode only); `user_meta` is
+    stored verbatim (checksummed) in the container.
     """
     params = _params(
         level,
@@ -150,6 +192,7 @@ def encode(
         slice_elements,
         transform,
         anchor_tokens,
+        rope,
     )
     meta = _view(user_meta)
     params.user_meta = meta

@@ -180,6 +180,33 @@ def _model_hash(llm: llama_cpp.Llama) -> str:
     return digest
 
 
+# llama.cpp's rope types whose pairs lie within a head: NORM (adjacent channels), NEOX (halves)
+_ROPE_PAIRINGS = {llama_cpp.LLAMA_ROPE_TYPE_NORM: "adjacent", llama_cpp.LLAMA_ROPE_TYPE_NEOX: "halves"}
+
+
+def model_rope(llm: llama_cpp.Llama) -> codec.Rope | None:
+    """The model's RoPE as `encode(rope=)` takes it, from its GGUF metadata; None when its keys are
+    not rotated by one position per token (no RoPE, M-RoPE, vision) or a head's size is unknown.
+
+    Candidate bases: the model's, and 10,000 (what llama.cpp uses for the sliding-window layers of
+    Gemma 3 and the like); the encoder keeps, per K tensor, the one that fits or none.
+    """
+    pairing = _ROPE_PAIRINGS.get(llama_cpp.llama_model_rope_type(llm.model))
+    md, model = llm.metadata, llm.model
+    arch = md.get("general.architecture", "")
+    n_head = llama_cpp.llama_model_n_head(model)
+    head_dim = int(md.get(f"{arch}.attention.key_length", 0)) or (
+        llama_cpp.llama_model_n_embd(model) // n_head if n_head else 0
+    )
+    n_dims = int(md.get(f"{arch}.rope.dimension_count", head_dim))
+    if pairing is None or head_dim <= 0 or not 0 < n_dims <= head_dim or n_dims % 2:
+        return None
+    base = float(md.get(f"{arch}.rope.freq_base", 10000.0))
+    bases = (base,) if base == 10000.0 else (base, 10000.0)
+    scale = llama_cpp.llama_model_rope_freq_scale_train(model) or 1.0
+    return codec.Rope(pairing, head_dim, n_dims, bases, float(scale))
+
+
 def model_fingerprint(llm: llama_cpp.Llama) -> dict[str, Any]:
     """What must match between the saving and the loading context (FINGERPRINT_FIELDS)."""
     model, params = llm.model, llm.context_params
