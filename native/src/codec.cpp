@@ -1,9 +1,8 @@
 #include "codec.h"
 
-#include <mutex>
-
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 
 namespace lcg {
 

@@ -299,6 +299,22 @@ ChannelQuant channel_quant(double mean, double step) {
 
 namespace {
 
+// f16 <-> f32 one value at a time: the portable path, and the F16C loops' tails.
+void f16_row_to_f32_scalar(const uint8_t * src, size_t n, float * dst) {
+    for (size_t k = 0; k < n; k++) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * k, 2);
+        dst[k] = f16_to_f32(h);
+    }
+}
+
+void f32_row_to_f16_scalar(const float * src, size_t n, uint8_t * dst) {
+    for (size_t k = 0; k < n; k++) {
+        const uint16_t h = f32_to_f16(src[k]);
+        std::memcpy(dst + 2 * k, &h, 2);
+    }
+}
+
 // Rounds to nearest even without a libm call: exact for |v| < 2^22.
 inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
@@ -411,11 +427,7 @@ __attribute__((target("avx2,f16c"))) void f16_row_to_f32_f16c(const uint8_t * sr
     for (; k + 8 <= n; k += 8) {
         _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src + 2 * k))));
     }
-    for (; k < n; k++) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * k, 2);
-        dst[k] = f16_to_f32(h);
-    }
+    f16_row_to_f32_scalar(src + 2 * k, n - k, dst + k);
 }
 
 __attribute__((target("avx2,f16c"))) void f32_row_to_f16_f16c(const float * src, size_t n, uint8_t * dst) {
@@ -424,10 +436,7 @@ __attribute__((target("avx2,f16c"))) void f32_row_to_f16_f16c(const float * src,
         const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + k), _MM_FROUND_TO_NEAREST_INT);
         _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + 2 * k), h);
     }
-    for (; k < n; k++) {
-        const uint16_t h = f32_to_f16(src[k]);
-        std::memcpy(dst + 2 * k, &h, 2);
-    }
+    f32_row_to_f16_scalar(src + k, n - k, dst + 2 * k);
 }
 
 // One dispatch for all the rows; the row conversion inlines into the loop.
@@ -465,11 +474,7 @@ void f16_row_to_f32(const uint8_t * src, size_t n, float * dst) {
         return;
     }
 #endif
-    for (size_t k = 0; k < n; k++) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * k, 2);
-        dst[k] = f16_to_f32(h);
-    }
+    f16_row_to_f32_scalar(src, n, dst);
 }
 
 void f32_row_to_f16(const float * src, size_t n, uint8_t * dst) {
@@ -479,10 +484,7 @@ void f32_row_to_f16(const float * src, size_t n, uint8_t * dst) {
         return;
     }
 #endif
-    for (size_t k = 0; k < n; k++) {
-        const uint16_t h = f32_to_f16(src[k]);
-        std::memcpy(dst + 2 * k, &h, 2);
-    }
+    f32_row_to_f16_scalar(src, n, dst);
 }
 
 void f16_rows_to_f32(const uint8_t * src, size_t stride, size_t n, uint32_t gn, float * dst) {

@@ -73,29 +73,25 @@ namespace {
 
 // Summed channel variance of an n_rows x n_units sample, rotated back by r (pairing 0: as is).
 double rotated_variance(const Rope & r, const float * rows, const int32_t * pos, size_t n_rows, uint32_t n_units) {
-    std::vector<double> sum(n_units, 0.0), sum_sq(n_units, 0.0);
-    RopeTable tab;
-    if (r.pairing) {
-        tab = rope_table(r, pos, n_rows);
-    }
-    for (size_t k = 0; k < n_rows; k++) {
-        const float * row = rows + k * n_units;
-        for (uint32_t u = 0; u < n_units; u++) {
-            double v = row[u];
-            if (r.pairing) {
-                const uint32_t d = u % r.head_dim;
-                if (tab.sign[d]) {
-                    const size_t at = k * tab.n_pairs + tab.pair[d];
-                    v = row[u] * tab.cos[at] + tab.sign[d] * row[rope_partner(tab, r.head_dim, u)] * tab.sin[at];
-                }
+    std::vector<float> v(rows, rows + n_rows * n_units);
+    if (r.pairing) {  // the whole row as one group of n_units channels
+        const RopeTable tab = rope_table(r, pos, n_rows);
+        std::vector<float> partner(v.size());
+        for (size_t k = 0; k < n_rows; k++) {
+            for (uint32_t u = 0; u < n_units; u++) {
+                partner[k * n_units + u] = rows[k * n_units + rope_partner(tab, r.head_dim, u)];
             }
-            sum[u] += v;
-            sum_sq[u] += v * v;
         }
+        rotate_back(tab, r.head_dim, 0, n_units, n_rows, partner.data(), v.data());
     }
     double var = 0.0;
     for (uint32_t u = 0; u < n_units; u++) {
-        var += std::max(0.0, sum_sq[u] / n_rows - (sum[u] / n_rows) * (sum[u] / n_rows));
+        double sum = 0.0, sum_sq = 0.0;
+        for (size_t k = 0; k < n_rows; k++) {
+            sum += v[k * n_units + u];
+            sum_sq += static_cast<double>(v[k * n_units + u]) * v[k * n_units + u];
+        }
+        var += std::max(0.0, sum_sq / n_rows - (sum / n_rows) * (sum / n_rows));
     }
     return var;
 }
