@@ -16,8 +16,10 @@ from llama_cachegen.errors import CorruptDataError, InvalidArgumentError, ModelM
 from llama_cachegen.llama import (
     Llama,
     StateMeta,
+    capture_state,
     load_compressed_state,
     model_fingerprint,
+    restore_state,
     save_compressed_state,
 )
 from llama_cachegen.model import default_model_path, sample_text
@@ -215,6 +217,45 @@ def test_llama_cpp_refusal_puts_the_context_back(source_blob: bytes) -> None:
     meta.fingerprint = model_fingerprint(llm)
     forged = codec.encode(codec.decode(source_blob), "lossless", user_meta=meta.pack())
     _assert_mismatch_leaves_context(llm, forged, ModelMismatchError, "put back as it was")
+
+
+def test_more_token_ids_than_positions_are_refused_on_save_and_load(tmp_path: Path) -> None:
+    """tokens= names at most the positions the state holds: more are refused before anything is
+    written (whole or chunked), and a stored object claiming more is refused on load with the
+    context untouched: from its container (one sequence, or an empty one) or once llama.cpp holds
+    it (two sequences). Fewer are fine: llama-cpp-python's next eval drops the positions past them."""
+    llm = _llama(n_seq_max=2)
+    tokens = llm.tokenize(sample_text("gpl-3.0.txt").encode())[:300]
+    llm.eval(tokens[:100])
+    for dest, level in ((tmp_path / "whole.lcg", "lossless"), (tmp_path / "chunked", None)):
+        with pytest.raises(InvalidArgumentError, match="holds 100 positions .* 300 token ids"):
+            llm.save_compressed_state(dest, level=level, tokens=tokens)
+    with pytest.raises(InvalidArgumentError, match="holds 0 positions \\(sequence 1\\) but 200 token ids"):
+        llm.save_compressed_state(tmp_path / "seq1.lcg", level="lossless", seq_id=1, tokens=tokens[:200])
+    assert not any(tmp_path.iterdir())
+    other = _llama()
+    fewer = save_compressed_state(llm, level="lossless", tokens=tokens[:60])
+    assert load_compressed_state(other, fewer).tokens == 60 and other.n_tokens == 60
+    completion = other.create_completion(tokens[:70], max_tokens=4, temperature=0.0)
+    assert completion["choices"][0]["text"] is not None
+
+    def forged(seq_id: int | None, claimed: int) -> bytes:
+        """A lossless save of `llm` whose envelope names the first `claimed` token ids."""
+        blob = save_compressed_state(llm, level="lossless", seq_id=seq_id)
+        meta = StateMeta.unpack(codec.user_meta(blob))
+        meta.tokens = np.asarray(tokens[:claimed], dtype=np.intc)
+        kind = "full_buffer" if seq_id is None else "seq_buffer"
+        return codec.encode(codec.decode(blob), "lossless", kind=kind, user_meta=meta.pack())
+
+    cases = [(forged(None, 300), 100, 300), (forged(1, 200), 0, 200)]  # told by their containers
+    assert restore_state(llm, capture_state(llm, 0), 1)  # positions 0..99 twice, in other cells
+    cases.append((forged(None, 300), 100, 300))  # two sequences: told once llama.cpp holds the state
+    assert not codec.inspect(cases[-1][0])["chunkable"]
+    target = _llama(n_seq_max=2)
+    target.eval(target.tokenize(b"An unrelated context that must survive a failed load."))
+    for blob, held, claimed in cases:
+        message = f"holds {held} positions but its token list has {claimed} ids"
+        _assert_mismatch_leaves_context(target, blob, CorruptDataError, message)
 
 
 def test_anchor_delta_save_loads_and_continues(saved: dict[str, Any], tmp_path: Path) -> None:

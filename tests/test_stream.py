@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -390,6 +391,23 @@ def test_llama_method_streams_with_an_slo(relay: tuple[Relay, str], original: di
     assert not isinstance(plain, stream.StreamReport) and plain.extra["levels"] == {"lossless": CHUNKS}
     with pytest.raises(InvalidArgumentError):
         stream.load_streaming(llm, url, slo_s=-1.0)
+
+
+def test_a_state_stored_whole_reports_its_tokens_as_a_chunked_load_does(
+    gpl_tokens: list[int], tmp_path: Path
+) -> None:
+    """A rewound context (KV of 400 positions, 250 tokens) cannot be chunked: stored whole, directly
+    or behind a manifest, its report has one record over its tokens and one cell per token, as a
+    chunked load counts them, not the KV cells."""
+    llm = _llama()
+    llm.eval(gpl_tokens[:400])
+    llm.n_tokens = 250
+    assert chunks.save_chunked(llm, tmp_path / "ctx", levels=("lossless",), chunk_tokens=C).fallback
+    llm.save_compressed_state(tmp_path / "whole.lcg", level="lossless")
+    for url in ((tmp_path / "ctx").as_uri(), (tmp_path / "whole.lcg").as_uri()):
+        report = stream.load_streaming(_llama(), url, slo_s=60.0, prior_mbps=FAST)
+        assert (report.tokens, report.cells) == (250, 250)
+        assert [(r.begin, r.end, r.level) for r in report.records] == [(0, 250, "lossless")]
 
 
 def test_cli_load_prints_the_report(stores_saved: dict[str, str]) -> None:

@@ -405,7 +405,8 @@ def save_chunked(
 
     The state is captured once; per level one chunk encoder quantizes it once; only the chunk,
     statistics and skeleton objects the store lacks are written, and the manifest last (atomic).
-    Token ids default to llama-cpp-python's own (seq_id None or 0). A state that cannot be
+    Token ids default to llama-cpp-python's own (seq_id None or 0); more ids than the state holds
+    positions are refused (InvalidArgumentError) before anything is written. A state that cannot be
     chunked (several sequences, a sliding-window cache without swa_full, no token ids) is saved as
     one whole container per level instead, referenced by the manifest (`fallback` says why).
     """
@@ -413,8 +414,8 @@ def save_chunked(
     chunk_tokens = _check_chunk_tokens(chunk_tokens)
     _seq_id_ok(llm, seq_id)
     store_url, manifest_key = split_manifest_url(url)
-    state = capture_state(llm, seq_id)
     meta = capture_meta(llm, seq_id, tokens)
+    state = capture_state(llm, seq_id)
     kind = "full_buffer" if seq_id is None else "seq_buffer"
     info = codec.inspect_state(state, kind)
     n = int(meta.tokens.size)

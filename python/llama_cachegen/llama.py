@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import llama_cpp
 import numpy as np
@@ -296,11 +296,29 @@ def _seq_id_ok(llm: llama_cpp.Llama, seq_id: int | None) -> None:
         raise InvalidArgumentError(f"seq_id {seq_id} out of range: this context has n_seq_max {n_seq_max}")
 
 
+def _positions(llm: llama_cpp.Llama, seq_id: int | None) -> int:
+    """How many positions the KV holds for `seq_id` (None: the whole context, whose token ids are
+    llama-cpp-python's, of sequence 0): its highest + 1, 0 when empty."""
+    memory = llama_cpp.llama_get_memory(llm.ctx)
+    return llama_cpp.llama_memory_seq_pos_max(memory, 0 if seq_id is None else seq_id) + 1
+
+
 def capture_meta(llm: llama_cpp.Llama, seq_id: int | None, tokens: Sequence[int] | None = None) -> StateMeta:
-    """The envelope for a state of `llm` (tokens default to llama-cpp-python's own, for seq 0 / all)."""
+    """The envelope for a state of `llm` (tokens default to llama-cpp-python's own, for seq 0 / all).
+
+    The token ids name positions 0.. of the sequence: more ids than it holds positions are refused
+    (a load would claim KV that is not there); fewer are fine (llama-cpp-python's next eval drops
+    the positions past its tokens), none means unknown."""
     own = seq_id in (None, 0)
     if tokens is None:
         tokens = llm.input_ids[: llm.n_tokens] if own else []
+    n_pos = _positions(llm, seq_id)
+    if len(tokens) > n_pos:
+        raise InvalidArgumentError(
+            f"the state holds {n_pos} positions (sequence {0 if seq_id is None else seq_id}) but "
+            f"{len(tokens)} token ids were given (tokens=, else llama-cpp-python's own): at most one id "
+            "per position"
+        )
     return StateMeta(
         fingerprint=model_fingerprint(llm),
         scope="all" if seq_id is None else "seq",
@@ -326,12 +344,13 @@ def save_compressed_state(
 
     `dest` is a path or a store object URL (`file://`, `redis://`, `http://`); None returns the
     container bytes. The token ids default to llama-cpp-python's own (for seq_id None or 0); pass
-    `tokens` for a sequence filled by other means. `transform` as `llama_cachegen.encode`'s.
+    `tokens` for a sequence filled by other means (more ids than it holds positions are refused
+    with InvalidArgumentError, see `capture_meta`). `transform` as `llama_cachegen.encode`'s.
     Returns where the state went.
     """
     _seq_id_ok(llm, seq_id)
-    state = capture_state(llm, seq_id)
     meta = capture_meta(llm, seq_id, tokens)
+    state = capture_state(llm, seq_id)
     kind = "full_buffer" if seq_id is None else "seq_buffer"
     blob = codec.encode(state, level, threads=threads, kind=kind, transform=transform, user_meta=meta.pack())
     return blob if dest is None else write_url(dest, blob)
@@ -381,6 +400,12 @@ def load_compressed_state(
             f"context too small: the state holds {info['cells']} KV cells and {meta.tokens.size} tokens "
             f"(saved with n_ctx {meta.n_ctx}), this context has n_ctx {n_ctx}"
         )
+    # the container knows the positions of a chunkable state (0..n-1) and of an empty one (none);
+    # others (several sequences, a sliding-window cache) are checked by restore_context
+    if (info["chunkable"] or not info["cells"]) and meta.tokens.size > info["positions"][1]:
+        raise CorruptDataError(
+            f"the state holds {info['positions'][1]} positions but its token list has {meta.tokens.size} ids"
+        )
     state = codec.decode(blob, threads=threads)
     t2 = time.perf_counter()
     restore_context(llm, state, target, meta.tokens, meta.logits)
@@ -407,24 +432,35 @@ def restore_context(
     logits: np.ndarray | None,
 ) -> None:
     """Loads `state` into the whole context (target None) or sequence `target` with one llama.cpp
-    call; if llama.cpp refuses, the context is put back as it was (else cleared) and
-    ModelMismatchError raised. For the whole context or sequence 0, llama-cpp-python's token list
-    and last logits follow, so the next completion evaluates only what comes after `tokens`."""
+    call; if llama.cpp refuses, ModelMismatchError, and if the state holds fewer positions than
+    `tokens` names, CorruptDataError: either way the context is put back as it was (else cleared).
+    For the whole context or sequence 0, llama-cpp-python's token list and last logits follow, so
+    the next completion evaluates only what comes after `tokens`."""
     backup = capture_state(llm, target)
     if not restore_state(llm, state, target):
-        restored = restore_state(llm, backup, target)
-        if not restored:
-            _forget(llm, target)
-        raise ModelMismatchError(
+        _put_back(
+            llm,
+            backup,
+            target,
+            ModelMismatchError,
             "llama.cpp refused the state (see its log: KV layout, V transposition/flash attention, "
-            "or no room for the cells); "
-            + (
-                "the context was put back as it was"
-                if restored
-                else "the context could not be put back and was cleared"
-            )
+            "or no room for the cells)",
         )
+    n_pos = _positions(llm, target)
+    if tokens.size > n_pos:
+        message = f"the state holds {n_pos} positions but its token list has {tokens.size} ids"
+        _put_back(llm, backup, target, CorruptDataError, message)
     set_tokens(llm, target, tokens, logits)
+
+
+def _put_back(
+    llm: llama_cpp.Llama, backup: bytes, target: int | None, error: type[CacheGenError], message: str
+) -> NoReturn:
+    """Restores `backup` (if llama.cpp refuses even that, empties the target) and raises `error`."""
+    if restore_state(llm, backup, target):
+        raise error(f"{message}; the context was put back as it was")
+    _forget(llm, target)
+    raise error(f"{message}; the context could not be put back and was cleared")
 
 
 def set_tokens(

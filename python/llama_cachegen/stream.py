@@ -67,6 +67,7 @@ from . import chunks, codec, stores
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, ModelMismatchError
 from .llama import (
     LoadReport,
+    StateMeta,
     _forget,
     _seq_id_ok,
     capture_state,
@@ -958,7 +959,8 @@ def load_streaming(
         if not chunks.is_manifest(data):  # one whole container: nothing to stream
             whole = load_compressed_state(llm, data, seq_id=seq_id, threads=threads)
             whole.extra["levels"] = {codec.inspect(data)["level"]: 1}
-            return _whole_report(whole, str(url), slo_s, t0, table)
+            n_tokens = int(StateMeta.unpack(codec.user_meta(data)).tokens.size)
+            return _whole_report(whole, n_tokens, str(url), slo_s, t0, table)
         m = chunks.Manifest.unpack(data)
         fingerprint = model_fingerprint(llm)
         check_fingerprint(m.meta.fingerprint, fingerprint)
@@ -968,7 +970,7 @@ def load_streaming(
         chunks._check_room(llm, int(tokens.size))
         if m.chunk_tokens is None:
             whole = chunks._load_whole(llm, store, m, level, seq_id, threads, len(data))
-            return _whole_report(whole, str(url), slo_s, t0, table)
+            return _whole_report(whole, int(tokens.size), str(url), slo_s, t0, table)
         loader = _Loader(
             llm,
             store,
@@ -1038,13 +1040,16 @@ def _count(records: list[ChunkRecord]) -> dict[str, int]:
 
 
 def _whole_report(
-    whole: LoadReport, url: str, slo_s: float | None, t0: float, table: dict[str, float]
+    whole: LoadReport, n_tokens: int, url: str, slo_s: float | None, t0: float, table: dict[str, float]
 ) -> StreamReport:
+    """The report of a state stored whole, counted as a chunked load's: one record of its
+    `n_tokens` token ids, and one cell per token (`whole.cells` counts the KV cells of every cache,
+    two per position with a sliding-window cache, and those of positions past the tokens)."""
     (level,) = whole.extra["levels"]
-    n = whole.cells
-    record = ChunkRecord(0, 0, n, level, "whole", whole.bytes_read, whole.read_ms, whole.decode_ms)
+    record = ChunkRecord(0, 0, n_tokens, level, "whole", whole.bytes_read, whole.read_ms, whole.decode_ms)
+    fields = {k: getattr(whole, k) for k in LoadReport.__dataclass_fields__}
     return StreamReport(
-        **{k: getattr(whole, k) for k in LoadReport.__dataclass_fields__},
+        **{**fields, "cells": n_tokens},
         url=url,
         slo_s=slo_s,
         records=[record],
