@@ -8,6 +8,10 @@
 #include <mutex>
 #include <thread>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -262,16 +266,37 @@ void find_byte(const uint8_t * p, size_t n, uint8_t b, std::vector<size_t> & at)
     }
 }
 
+// ---- memory ----------------------------------------------------------------------------------
+
+void * alloc_filled(size_t n) {
+    constexpr size_t HUGE_PAGE = size_t(2) << 20;
+    if (n < HUGE_PAGE) {
+        return std::malloc(n);
+    }
+    const size_t rounded = (n + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    void * p = std::aligned_alloc(HUGE_PAGE, rounded);
+#if defined(MADV_HUGEPAGE)
+    if (p != nullptr) {
+        madvise(p, rounded, MADV_HUGEPAGE);  // advice only: where it is refused, 4 KiB pages
+    }
+#endif
+    return p;
+}
+
 // ---- threads ---------------------------------------------------------------------------------
 
-void parallel_for(size_t n, int n_threads, const std::function<void(size_t)> & fn) {
+size_t parallel_workers(size_t n, int n_threads) {
     if (n_threads <= 0) {
         n_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     }
-    const size_t n_workers = std::min<size_t>(static_cast<size_t>(n_threads), n);
+    return std::min<size_t>(static_cast<size_t>(n_threads), n);
+}
+
+void parallel_for_workers(size_t n, int n_threads, const std::function<void(size_t, size_t)> & fn) {
+    const size_t n_workers = parallel_workers(n, n_threads);
     if (n_workers <= 1) {
         for (size_t i = 0; i < n; i++) {
-            fn(i);
+            fn(i, 0);
         }
         return;
     }
@@ -279,10 +304,10 @@ void parallel_for(size_t n, int n_threads, const std::function<void(size_t)> & f
     std::atomic<bool> failed{false};
     std::exception_ptr error;
     std::mutex error_mutex;
-    auto work = [&] {
+    auto work = [&](size_t worker) {
         for (size_t i; !failed.load(std::memory_order_relaxed) && (i = next.fetch_add(1)) < n;) {
             try {
-                fn(i);
+                fn(i, worker);
             } catch (...) {
                 std::lock_guard<std::mutex> lock(error_mutex);
                 if (!error) {
@@ -295,15 +320,19 @@ void parallel_for(size_t n, int n_threads, const std::function<void(size_t)> & f
     std::vector<std::thread> threads;
     threads.reserve(n_workers - 1);
     for (size_t t = 1; t < n_workers; t++) {
-        threads.emplace_back(work);
+        threads.emplace_back(work, t);
     }
-    work();
+    work(0);
     for (auto & t : threads) {
         t.join();
     }
     if (error) {
         std::rethrow_exception(error);
     }
+}
+
+void parallel_for(size_t n, int n_threads, const std::function<void(size_t)> & fn) {
+    parallel_for_workers(n, n_threads, [&](size_t i, size_t) { fn(i); });
 }
 
 } // namespace lcg

@@ -25,7 +25,7 @@ uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sect
     const size_t table_end = HEADER_SIZE + static_cast<size_t>(SECTION_ENTRY_SIZE) * sections.size();
     size_t total = table_end;
     for (const SectionPayload & s : sections) {
-        total += s.bytes.size();
+        total += s.size();
     }
     ByteWriter head;
     head.u32(CONTAINER_MAGIC);
@@ -51,12 +51,12 @@ uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sect
         table.u32(s.type);
         table.u32(s.tensor);
         table.u64(offset);
-        table.u64(s.bytes.size());
-        table.u32(crc32c(s.bytes.data(), s.bytes.size()));
+        table.u64(s.size());
+        table.u32(crc32c(s.data(), s.size()));
         table.u32(0);
-        offset += s.bytes.size();
+        offset += s.size();
     }
-    uint8_t * out = static_cast<uint8_t *>(std::malloc(total));
+    uint8_t * out = static_cast<uint8_t *>(alloc_filled(total));
     LCG_CHECK(out != nullptr, LCG_ERR_OUT_OF_MEMORY, "cannot allocate a %zu-byte container", total);
     std::memcpy(out, head.buf.data(), head.buf.size());
     uint32_t crc = crc32c(head.buf.data(), head.buf.size());
@@ -65,10 +65,10 @@ uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sect
     std::memcpy(out + HEADER_SIZE, table.buf.data(), table.buf.size());
     size_t at = table_end;
     for (SectionPayload & s : sections) {
-        if (!s.bytes.empty()) {
-            std::memcpy(out + at, s.bytes.data(), s.bytes.size());
+        if (s.size() > 0) {
+            std::memcpy(out + at, s.data(), s.size());
         }
-        at += s.bytes.size();
+        at += s.size();
         std::vector<uint8_t>().swap(s.bytes);
     }
     *out_size = total;

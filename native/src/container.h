@@ -33,12 +33,17 @@ struct ContainerHeader {
 struct SectionPayload {
     uint32_t type;
     uint32_t tensor;
-    std::vector<uint8_t> bytes;
+    std::vector<uint8_t> bytes;      // the payload, unless `view` is set
+    const uint8_t * view = nullptr;  // else: view_size bytes that stay alive until written
+    size_t view_size = 0;
+
+    const uint8_t * data() const { return view ? view : bytes.data(); }
+    size_t size() const { return view ? view_size : bytes.size(); }
 };
 
-// Lays out header, table and payloads in one malloc'ed buffer (released with free()). Each
-// payload is released once copied, so that the sections and the container are not all held at
-// once (an encode's peak memory).
+// Lays out header, table and payloads in one buffer from alloc_filled (released with free()).
+// Each owned payload is released once copied, so that the sections and the container are not all
+// held at once (an encode's peak memory).
 uint8_t * write_container(ContainerHeader header, std::vector<SectionPayload> && sections, size_t * out_size);
 
 struct ContainerView {
