@@ -332,7 +332,7 @@ uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions &
     rows.add_sections(sections);
     add_user_meta(sections, opt.user_meta, opt.user_meta_size);
     ContainerHeader h = state_header(st, size, LCG_PART_WHOLE, opt.level);
-    return write_container(h, std::move(sections), out_size);
+    return write_container(h, std::move(sections), opt.n_threads, out_size);
 }
 
 uint8_t * encode_skeleton(const uint8_t * state, size_t size, int32_t kind, size_t * out_size) {
@@ -340,7 +340,7 @@ uint8_t * encode_skeleton(const uint8_t * state, size_t size, int32_t kind, size
     const ParsedState st = parse_state(state, size, kind);
     std::vector<SectionPayload> sections = state_sections(state, st, level_knobs(LCG_LEVEL_LOSSLESS));
     ContainerHeader h = state_header(st, size, LCG_PART_SKELETON, LCG_LEVEL_LOSSLESS);
-    return write_container(h, std::move(sections), out_size);
+    return write_container(h, std::move(sections), 1, out_size);
 }
 
 namespace {
@@ -492,7 +492,7 @@ uint8_t * chunker_stats(const Chunker & ch, size_t * out_size) {
     ContainerHeader h = state_header(ch.st, 0, LCG_PART_STATS, ch.opt.level);
     h.state_size = 0;
     h.pos_end = ch.n_pos;
-    return write_container(h, std::move(sections), out_size);
+    return write_container(h, std::move(sections), ch.opt.n_threads, out_size);
 }
 
 uint8_t * chunker_encode(const Chunker & ch, uint32_t pos_begin, uint32_t pos_end, const uint8_t * stats_id,
@@ -530,7 +530,7 @@ uint8_t * chunker_encode(const Chunker & ch, uint32_t pos_begin, uint32_t pos_en
     h.n_cells = static_cast<uint32_t>((pos_end - pos_begin) * ch.st.groups.size());
     h.pos_begin = pos_begin;
     h.pos_end = pos_end;
-    return write_container(h, std::move(sections), out_size);
+    return write_container(h, std::move(sections), ch.opt.n_threads, out_size);
 }
 
 std::unique_ptr<Stats> open_stats(const uint8_t * data, size_t size, const uint8_t * id, int32_t n_threads) {

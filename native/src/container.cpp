@@ -20,13 +20,29 @@ const char * section_type_name(uint32_t type) {
 
 } // namespace
 
-uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sections, size_t * out_size) {
+uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sections, int n_threads,
+                          size_t * out_size) {
     h.n_sections = static_cast<uint32_t>(sections.size());
     const size_t table_end = HEADER_SIZE + static_cast<size_t>(SECTION_ENTRY_SIZE) * sections.size();
+    std::vector<uint64_t> offset(sections.size()), size(sections.size());
     size_t total = table_end;
-    for (const SectionPayload & s : sections) {
-        total += s.size();
+    for (size_t i = 0; i < sections.size(); i++) {
+        offset[i] = total;
+        size[i] = sections[i].size();
+        total += size[i];
     }
+    uint8_t * out = static_cast<uint8_t *>(alloc_filled(total));
+    LCG_CHECK(out != nullptr, LCG_ERR_OUT_OF_MEMORY, "cannot allocate a %zu-byte container", total);
+    // Each payload checksummed and copied in one visit, the sections shared among the threads.
+    std::vector<uint32_t> crc(sections.size());
+    parallel_for(sections.size(), n_threads, [&](size_t i) {
+        SectionPayload & s = sections[i];
+        crc[i] = crc32c(s.data(), s.size());
+        if (s.size() > 0) {
+            std::memcpy(out + offset[i], s.data(), s.size());
+        }
+        std::vector<uint8_t>().swap(s.bytes);
+    });
     ByteWriter head;
     head.u32(CONTAINER_MAGIC);
     head.u16(static_cast<uint16_t>(h.format_version));
@@ -45,32 +61,20 @@ uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sect
     head.u32(h.n_layers);
     head.u32(h.n_caches);
     head.u32(0);  // reserved
-    uint64_t offset = table_end;
     ByteWriter table;
-    for (const SectionPayload & s : sections) {
-        table.u32(s.type);
-        table.u32(s.tensor);
-        table.u64(offset);
-        table.u64(s.size());
-        table.u32(crc32c(s.data(), s.size()));
+    for (size_t i = 0; i < sections.size(); i++) {
+        table.u32(sections[i].type);
+        table.u32(sections[i].tensor);
+        table.u64(offset[i]);
+        table.u64(size[i]);
+        table.u32(crc[i]);
         table.u32(0);
-        offset += s.size();
     }
-    uint8_t * out = static_cast<uint8_t *>(alloc_filled(total));
-    LCG_CHECK(out != nullptr, LCG_ERR_OUT_OF_MEMORY, "cannot allocate a %zu-byte container", total);
     std::memcpy(out, head.buf.data(), head.buf.size());
-    uint32_t crc = crc32c(head.buf.data(), head.buf.size());
-    crc = crc32c(table.buf.data(), table.buf.size(), crc);
-    std::memcpy(out + HEADER_SIZE - 4, &crc, 4);
+    uint32_t header_crc = crc32c(head.buf.data(), head.buf.size());
+    header_crc = crc32c(table.buf.data(), table.buf.size(), header_crc);
+    std::memcpy(out + HEADER_SIZE - 4, &header_crc, 4);
     std::memcpy(out + HEADER_SIZE, table.buf.data(), table.buf.size());
-    size_t at = table_end;
-    for (SectionPayload & s : sections) {
-        if (s.size() > 0) {
-            std::memcpy(out + at, s.data(), s.size());
-        }
-        at += s.size();
-        std::vector<uint8_t>().swap(s.bytes);
-    }
     *out_size = total;
     return out;
 }

@@ -41,10 +41,11 @@ struct SectionPayload {
     size_t size() const { return view ? view_size : bytes.size(); }
 };
 
-// Lays out header, table and payloads in one buffer from alloc_filled (released with free()).
-// Each owned payload is released once copied, so that the sections and the container are not all
-// held at once (an encode's peak memory).
-uint8_t * write_container(ContainerHeader header, std::vector<SectionPayload> && sections, size_t * out_size);
+// Lays out header, table and payloads in one buffer from alloc_filled (released with free()),
+// on up to n_threads threads. Each owned payload is released once copied, so that the sections and
+// the container are not all held at once (an encode's peak memory).
+uint8_t * write_container(ContainerHeader header, std::vector<SectionPayload> && sections, int n_threads,
+                          size_t * out_size);
 
 struct ContainerView {
     ContainerHeader header;
