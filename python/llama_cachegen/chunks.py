@@ -649,7 +649,7 @@ def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> in
 
 def _assemble(
     reader: _ChunkReader, skeleton_id: str | None, threads: int | None
-) -> tuple[bytearray, bytes, dict[str, Any]]:
+) -> tuple[np.ndarray, bytes, dict[str, Any]]:
     """Fetches and decodes every chunk into a state built from the skeleton; fetching chunk i+1
     overlaps decoding chunk i (the native decode releases the GIL). With `skeleton_id` None the
     skeleton named by the last chunk is used, so that chunk is fetched first.
@@ -665,7 +665,8 @@ def _assemble(
         skeleton_id = first.meta.skeleton_id
     skeleton = reader.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton")
     n_pos = len(reader.tokens)
-    state = codec.skeleton_state(skeleton, n_pos, max_size=_state_bound(reader.fingerprint, n_pos, skeleton))
+    bound = _state_bound(reader.fingerprint, n_pos, skeleton)
+    state = codec.skeleton_state(skeleton, n_pos, max_size=bound, alloc=codec.empty_buffer)
     levels: dict[str, int] = {}
     fetch_s = decode_s = 0.0
     with ThreadPoolExecutor(1, thread_name_prefix="lcg-fetch") as pool:

@@ -70,7 +70,7 @@ from .llama import (
     StateMeta,
     _forget,
     _seq_id_ok,
-    capture_state,
+    _state_array,
     check_fingerprint,
     fingerprint_key,
     forget_kv,
@@ -367,9 +367,9 @@ class _Loader:
         self.fallback: str | None = None
         self.decode_s_per_byte: dict[str, float] = {}
         self.held = -1  # positions 0..held-1 of the buffer are what the context holds (-1: not ours)
-        self.backup: tuple[bytes | None] | None = None
+        self.backup: tuple[np.ndarray | None] | None = None
         self.tps_key = _tps_key(llm)
-        self.state: bytearray | None = None
+        self.state: np.ndarray | None = None
         self.skeleton = b""
         self.per_token = 0.0  # f16 state bytes per position
         self.skeleton_s = 0.0
@@ -474,7 +474,7 @@ class _Loader:
         """When a plan's chunks must all be in the buffer: a share of the time left, never the
         SLO's last _SLO_FLOOR, less the final restore."""
         assert self.slo_s is not None
-        restore_s = len(self.state or b"") / _RESTORE_BPS
+        restore_s = (0 if self.state is None else len(self.state)) / _RESTORE_BPS
         end = self.t0 + self.slo_s
         return min(now + self._share() * (end - now), end - _SLO_FLOOR * self.slo_s) - restore_s
 
@@ -779,7 +779,7 @@ class _Loader:
                 forget_kv(self.llm, self.target)
             else:
                 assert self.state is not None  # without a buffer, the context holds chunks 0..i-1
-                before = codec.skeleton_state(self.skeleton, b)
+                before = codec.skeleton_state(self.skeleton, b, alloc=codec.empty_buffer)
                 codec.splice(before, self.state, 0, b)
                 if not restore_state(self.llm, before, self.target):
                     raise ModelMismatchError("llama.cpp refused the state of the chunks before a text chunk")
@@ -812,15 +812,15 @@ class _Loader:
             with self.cv:
                 self.computing = None
         if self.state is not None:
-            codec.splice(self.state, capture_state(self.llm, self.target), b, e)
+            codec.splice(self.state, _state_array(self.llm, self.target), b, e)
         _learn_tps(self.tps_key, (e - b) / (time.perf_counter() - start))
         if not self.tps_given:
             with self.cv:
                 self.tps = _tps_cache.get(self.tps_key, self.tps)
 
-    def _capture(self) -> bytes | None:
+    def _capture(self) -> np.ndarray | None:
         try:
-            return capture_state(self.llm, self.target)
+            return _state_array(self.llm, self.target)
         except CacheGenError:  # nothing to copy (an empty sequence): put back means clear
             return None
 
@@ -883,10 +883,10 @@ class _Loader:
                 self.first_inv = job.seconds / job.bytes
             n = int(self.tokens.size)
             bound = chunks._state_bound(self.reader.fingerprint, n, self.skeleton)
-            state = codec.skeleton_state(self.skeleton, n, max_size=bound)
+            state = codec.skeleton_state(self.skeleton, n, max_size=bound, alloc=codec.empty_buffer)
             computed = max((e for (_, e), d in zip(self.ranges, self.done, strict=True) if d), default=0)
             if computed:  # chunks 0..k, all computed: the context holds them
-                codec.splice(state, capture_state(self.llm, self.target), 0, computed)
+                codec.splice(state, _state_array(self.llm, self.target), 0, computed)
             with self.cv:
                 self.state, self.per_token = state, len(state) / n
             return
@@ -1005,12 +1005,13 @@ def load_streaming(
     records = loader.records
     kl = sum(table.get(r.level, math.nan) * (r.end - r.begin) for r in records) / max(1, int(tokens.size))
     bytes_read = len(data) + loader.reader.bytes_read
+    state_bytes = 0 if loader.state is None else len(loader.state)
     return StreamReport(
         tokens=int(tokens.size) if target in (None, 0) else 0,
         cells=int(tokens.size),
         bytes_read=bytes_read,
-        state_bytes=len(loader.state or b""),
-        ratio=len(loader.state or b"") / bytes_read,
+        state_bytes=state_bytes,
+        ratio=state_bytes / bytes_read,
         read_ms=(t1 - t0) * 1e3 + sum(r.fetch_ms for r in records),
         decode_ms=sum(r.decode_ms for r in records),
         restore_ms=(t3 - t2) * 1e3,
