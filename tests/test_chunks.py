@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from llama_cachegen import chunks, codec, stores
+from llama_cachegen import chunks, codec, envelope, stores
 from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import (
     AuthenticationError,
@@ -380,7 +380,7 @@ def test_llama_methods_save_in_chunks_and_load_either_format(
         tmp_path / "ctx", levels=("lossless", "compact"), chunk_tokens=64
     ) == str(tmp_path / "ctx")
     writer.save_compressed_state(tmp_path / "whole.lcg", level="lossless")
-    assert chunks.is_manifest((tmp_path / "ctx").read_bytes())
+    assert envelope.is_manifest((tmp_path / "ctx").read_bytes())
     assert (tmp_path / "whole.lcg").read_bytes()[:4] == b"LCGC"
     llm = _llama(n_ctx=512)
     report = llm.load_compressed_state(tmp_path / "ctx")

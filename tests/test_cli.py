@@ -27,7 +27,8 @@ def _cli(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess[s
 
 @pytest.fixture(scope="module")
 def slot_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A llama-server slot file: llama_state_seq_save_file of a real context."""
+    """A llama-server slot file: llama_state_seq_save_file of a real context; beside it the same
+    context saved as a container (saved.lcg) and chunked (the manifest ctx, its objects in lcg3/)."""
     path = tmp_path_factory.mktemp("slot") / "slot0.bin"
     llm = Llama(str(default_model_path()), n_ctx=512, n_threads=2, verbose=False)
     tokens = llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 6)
@@ -35,6 +36,7 @@ def slot_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     array = (llama_cpp.llama_token * len(tokens))(*tokens)
     assert llama_cpp.llama_state_seq_save_file(llm.ctx, str(path).encode(), 0, array, len(tokens)) > 0
     llm.save_compressed_state(path.with_name("saved.lcg"), level="high")
+    llm.save_compressed_state(path.with_name("ctx"), levels=("balanced",), chunk_tokens=16)
     return path
 
 
@@ -92,6 +94,38 @@ def test_errors_are_reported_not_raised(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "inspect: error:" in proc.stderr and "Traceback" not in proc.stderr
     proc = _cli("decompress", tmp_path / "missing.lcg", tmp_path / "out", check=False)
     assert proc.returncode == 1 and "error:" in proc.stderr
+
+
+def test_decompress_says_what_a_non_container_is(slot_file: Path, tmp_path: Path) -> None:
+    manifest = slot_file.with_name("ctx")
+    proc = _cli("decompress", manifest, tmp_path / "out", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert f"{manifest} is a chunked context's manifest, not a container" in proc.stderr
+    assert f"llama-cachegen load {manifest}" in proc.stderr
+    proc = _cli("decompress", slot_file, tmp_path / "out", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert f"{slot_file} is a llama.cpp state (seq_file), not a container" in proc.stderr
+    truncated = tmp_path / "truncated.lcg"
+    truncated.write_bytes(slot_file.with_name("saved.lcg").read_bytes()[:-100])
+    proc = _cli("decompress", truncated, tmp_path / "out", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "LCG_ERR_TRUNCATED" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_inspect_verifies_checksums(slot_file: Path, tmp_path: Path) -> None:
+    saved = slot_file.with_name("saved.lcg")
+    assert "\n  checksums: ok\n" in _cli("inspect", saved).stdout
+    assert json.loads(_cli("inspect", saved, "--json").stdout)["checksums"] == "ok"
+    blob = bytearray(saved.read_bytes())
+    blob[len(blob) // 2] ^= 0x10  # inside a tensor section: the header still reads
+    damaged = tmp_path / "damaged.lcg"
+    damaged.write_bytes(blob)
+    proc = _cli("inspect", damaged, check=False)
+    assert proc.returncode == 1 and "level: high" in proc.stdout and "fingerprint:" in proc.stdout
+    assert "\n  checksums: FAILED (LCG_ERR_CHECKSUM: tensor section at offset " in proc.stdout
+    proc = _cli("inspect", damaged, "--json", check=False)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["checksums"].startswith("FAILED (")
+    assert "checksums" not in json.loads(_cli("inspect", slot_file, "--json").stdout)
 
 
 def test_demo_answers_the_same_from_a_second_process(tmp_path: Path) -> None:

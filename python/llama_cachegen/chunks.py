@@ -37,7 +37,7 @@ import llama_cpp
 import numpy as np
 
 from . import codec, envelope, stores
-from .envelope import is_int, require
+from .envelope import MANIFEST_MAGIC, is_int, require
 from .errors import (
     CorruptDataError,
     EntryNotFoundError,
@@ -61,7 +61,6 @@ from .llama import (
 
 FORMAT_VERSION = codec.version()[1]
 KEY_DOMAIN = f"llama-cachegen chunks v{FORMAT_VERSION}\x00".encode()
-MANIFEST_MAGIC = b"LCGM"
 MANIFEST_VERSION = 1
 CHUNK_META_MAGIC = b"LCGK"
 CHUNK_META_VERSION = 1
@@ -330,11 +329,6 @@ def read_manifest(url: str | Path) -> Manifest:
     store_url, key = split_manifest_url(url)
     with stores.open_store(store_url) as store:
         return Manifest.unpack(store.get(key))
-
-
-def is_manifest(data: bytes | bytearray | memoryview) -> bool:
-    """True when `data` starts like a manifest (a whole container starts with b"LCGC")."""
-    return bytes(data[:4]) == MANIFEST_MAGIC
 
 
 # ---- save ---------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -14,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from . import codec
-from .errors import CacheGenError, InvalidArgumentError, NotAContainerError
+from .envelope import is_manifest
+from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, NotAContainerError
 from .stores import read_url, write_url
 
 DEMO_QUESTION = "\n\nQuestion: What is the name of the license above?\nAnswer:"
@@ -248,11 +250,33 @@ def _compress(args: argparse.Namespace) -> int:
     return 0
 
 
+def _not_a_container(name: str, data: bytes, exc: NotAContainerError) -> NotAContainerError:
+    """The error for `data` that is not a container: what it is instead, when it is a manifest or a
+    llama.cpp state, else `exc`."""
+    if is_manifest(data):
+        return NotAContainerError(
+            f"{name} is a chunked context's manifest, not a container: its K/V is in chunks in its "
+            f"store, restored into a model by `llama-cachegen load {name} --model GGUF` "
+            "(or llama_cachegen.load_chunked)"
+        )
+    try:
+        kind = codec.inspect_state(data)["kind"]
+    except CacheGenError:
+        return exc
+    return NotAContainerError(
+        f"{name} is a llama.cpp state ({kind}), not a container: there is nothing to decompress "
+        "(`llama-cachegen compress` makes a container of it)"
+    )
+
+
 def _decompress(args: argparse.Namespace) -> int:
     _check_output(args)
     blob = read_url(args.input)
     start = time.perf_counter()
-    data = codec.decode(blob, threads=args.threads)
+    try:
+        data = codec.decode(blob, threads=args.threads)
+    except NotAContainerError as exc:
+        raise _not_a_container(str(args.input), blob, exc) from None
     seconds = time.perf_counter() - start
     write_url(args.output, data)
     result = {
@@ -317,21 +341,38 @@ def _manifest_info(data: bytes) -> dict[str, Any]:
     return info
 
 
+def _checksums(data: bytes, part: str) -> str:
+    """Checks every checksum of a container (codec.inspect checks those of its header and layout only)
+    by opening what it holds: "ok", "FAILED (the library's message)", or why a chunk is not checked."""
+    if part == "chunk":
+        return "not checked (a chunk is checked when decoded with its statistics)"
+    try:
+        if part == "stats":
+            codec.Stats(data, hashlib.sha256(data).digest())
+        else:
+            codec.decode(data)
+    except CorruptDataError as exc:
+        return f"FAILED ({exc})"
+    return "ok"
+
+
 def _inspect(args: argparse.Namespace) -> int:
     data = read_url(args.file)
     try:
-        if data[:4] == b"LCGM":
+        if is_manifest(data):
             info: dict[str, Any] = _manifest_info(data)
         else:
             info = {"type": "llama-cachegen container", **codec.inspect(data)}
             envelope = _envelope(data)
             if envelope is not None:
                 info["llama_cpp_python"] = envelope
+            info["checksums"] = _checksums(data, info["part"])
     except NotAContainerError:
         info = {"type": "llama.cpp state", **codec.inspect_state(data, args.kind)}
+    status = 1 if info.get("checksums", "").startswith("FAILED") else 0
     if args.json:
         print(json.dumps(info, indent=2))
-        return 0
+        return status
     print(f"{args.file}: {info.pop('type')}")
     for key, value in info.items():
         if isinstance(value, dict):
@@ -342,7 +383,7 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"  {key}: {value:.4g}")
         else:
             print(f"  {key}: {value}")
-    return 0
+    return status
 
 
 # --- eval ------------------------------------------------------------------------------------
@@ -497,7 +538,7 @@ def _load(args: argparse.Namespace) -> int:
 
     data = read_url(args.url)
     n_chunks, n_ctx = 1, args.n_ctx
-    if chunks.is_manifest(data):
+    if is_manifest(data):
         m = chunks.Manifest.unpack(data)
         n_chunks = max(1, len(m.chunks))
         n_ctx = n_ctx or int(m.meta.tokens.size) + 256
@@ -518,7 +559,7 @@ def _load(args: argparse.Namespace) -> int:
             level=args.level,
             threads=args.threads,
             progress=progress,
-            manifest=data if chunks.is_manifest(data) else None,
+            manifest=data if is_manifest(data) else None,
         )
     finally:
         bar.close()

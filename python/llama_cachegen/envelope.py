@@ -16,6 +16,12 @@ import numpy as np
 from .errors import CacheGenError, CorruptDataError
 
 PREFIX = struct.Struct("<4sII")
+MANIFEST_MAGIC = b"LCGM"  # a chunked context's manifest (chunks.Manifest)
+
+
+def is_manifest(data: bytes | bytearray | memoryview) -> bool:
+    """True when `data` starts like a manifest (a whole container starts with b"LCGC")."""
+    return bytes(data[:4]) == MANIFEST_MAGIC
 
 
 def is_int(value: Any) -> bool:

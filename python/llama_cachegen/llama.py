@@ -386,9 +386,9 @@ def load_compressed_state(
     """
     t0 = time.perf_counter()
     blob = bytes(src) if isinstance(src, (bytes, bytearray, memoryview)) else read_url(src)
-    from .chunks import is_manifest, load_chunked  # here: chunks imports this module
+    from .chunks import load_chunked  # here: chunks imports this module
 
-    if is_manifest(blob):  # a chunked context: the manifest's objects sit beside it in its store
+    if envelope.is_manifest(blob):  # a chunked context: the manifest's objects sit beside it in its store
         if isinstance(src, (bytes, bytearray, memoryview)):
             raise InvalidArgumentError("a chunked context loads from its URL, not from its manifest's bytes")
         return load_chunked(llm, src, seq_id=seq_id, threads=threads, manifest=blob)

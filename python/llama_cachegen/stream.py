@@ -63,7 +63,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals
 
-from . import chunks, codec, stores
+from . import chunks, codec, envelope, stores
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, ModelMismatchError
 from .llama import (
     LoadReport,
@@ -956,7 +956,7 @@ def load_streaming(
     t0 = time.perf_counter()
     with stores.open_store(store_url) as store:
         data = store.get(key) if manifest is None else bytes(manifest)
-        if not chunks.is_manifest(data):  # one whole container: nothing to stream
+        if not envelope.is_manifest(data):  # one whole container: nothing to stream
             whole = load_compressed_state(llm, data, seq_id=seq_id, threads=threads)
             whole.extra["levels"] = {codec.inspect(data)["level"]: 1}
             n_tokens = int(StateMeta.unpack(codec.user_meta(data)).tokens.size)
