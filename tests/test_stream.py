@@ -142,6 +142,24 @@ def test_slow_link_takes_lower_levels(relay: tuple[Relay, str], loader: Llama) -
     assert lossless * 8 / (measured * 1e6) > slo  # a fixed best level would have missed it
 
 
+def test_a_budget_between_two_levels_goes_to_the_latest_chunks(
+    relay: tuple[Relay, str], loader: Llama
+) -> None:
+    """16 Mbit/s known in advance (the relay's own trace as the oracle): every chunk lossless
+    (~6 s) misses an SLO of 4 s, every chunk compact (~1.6 s) leaves most of it unused. The plan
+    spends it on the latest chunks (recent tokens weigh most): the last lossless, the first compact,
+    where one level for all the chunks left took compact first and spent what remained on the first."""
+    r, url = relay
+    r.set_trace(Trace.constant(mbit(16)))
+    manifest = chunks.read_manifest(url)
+    lossless = sum(e.sizes["lossless"] for e in manifest.chunks)
+    assert r.transfer_s(lossless) > 4.0
+    report = stream.load_streaming(loader, url, slo_s=4.0, compute_tps=20.0, oracle=r.transfer_s)
+    levels = [rec.level for rec in report.records]
+    assert levels[0] == "compact" and levels[-1] == "lossless" and stream.TEXT not in levels
+    assert 0.0 < report.expected_kl < stream.LEVEL_KL["compact"]
+
+
 def test_cpu_computes_from_the_front_while_the_link_fetches_from_the_back(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:

@@ -11,8 +11,9 @@ first chunk on, and they meet where their speeds put them. Text chunks need only
 them, so computing from the front never waits for the link.
 
 Every fetch decision and every idle moment of the caller's thread re-plans the undecided chunks
-jointly: for each level and each split (the first x undecided chunks computed, the others fetched
-at that level) it predicts the finish from
+jointly: for each split (the first x undecided chunks computed, the others fetched) and each level
+or pair of adjacent levels (the better one for as many of the latest chunks as fit: recent tokens
+weigh most) it predicts the finish from
 - the link: bytes / throughput, the slower of the smoothed and the mean rate of the fetches so far
   (before any chunk: `prior_mbps`, else the skeleton's fetch, latency-bound and so slow); a fetch
   in flight past its prediction is expected to be as late again;
@@ -305,7 +306,7 @@ class _Stopped(Exception):
 
 @dataclass
 class _Plan:
-    level: str  # of the fetched chunks
+    level: str  # of the chunk the link fetches next
     text: int  # how many of the undecided chunks, from the front, the CPU computes
     finish: float  # predicted perf_counter time of a loaded context
     cost: float  # token-weighted KL of the undecided chunks (text: 0)
@@ -479,10 +480,13 @@ class _Loader:
         return min(now + self._share() * (end - now), end - _SLO_FLOOR * self.slo_s) - restore_s
 
     def _best(self, undecided: list[int], now: float, fetch: bool = False) -> _Plan | None:
-        """The plan for the undecided chunks (the link fetching from the back at one level, the
-        CPU computing from the front) with the lowest KL that finishes within the share of the time
-        left; among those, the one finishing first. None fits: the one finishing first. `fetch`:
-        a plan that fetches at least one chunk."""
+        """The plan for the undecided chunks (the link fetching from the back, the CPU computing
+        from the front) with the lowest KL that finishes within the share of the time left; among
+        those, the one finishing first. None fits: the one finishing first. The fetched chunks
+        take one level, or two adjacent ones: the better for as many of the latest chunks as fit
+        (recent tokens weigh most in the model's next steps), so that a budget between two
+        levels is spent rather than dropping every chunk to the lower one. `fetch`: a plan that
+        fetches at least one chunk."""
         if not undecided or (self.oracle is None and self._inv() is None):
             return None
         deadline = self._deadline(now)
@@ -494,21 +498,43 @@ class _Loader:
         cpu = [0.0]
         for k in undecided if self.both else ():
             cpu.append(cpu[-1] + self._text_s(k))
-        tokens = [self.ranges[k][1] - self.ranges[k][0] for k in undecided]
-        texts = range(m + (not fetch)) if self.both else range(1)
+        levels = self.levels[undecided[-1]]
+        size = {lv: [self._size(k, lv) for k in undecided] for lv in levels}
+        tail = {lv: _suffix_sums(size[lv]) for lv in levels}  # tail[lv][x]: chunks x.. at lv
+        tail_tokens = _suffix_sums([self.ranges[k][1] - self.ranges[k][0] for k in undecided])
+
+        def plan(x: int, better: str, worse: str, n: int) -> _Plan:
+            """The first x chunks computed, the last n at `better`, the others fetched at `worse`."""
+            f = m - x
+            if f == 0:
+                finish = cpu_free + cpu[x]
+                return _Plan(worse, x, finish, 0.0, finish <= deadline)
+            nbytes = tail[worse][x] + tail[better][m - n] - tail[worse][m - n]
+            decode = self._decode_s(worse, tail[worse][x] - tail[worse][m - n]) + self._decode_s(
+                better, tail[better][m - n]
+            )
+            last = better if n == f else worse  # the front chunk of those fetched
+            link = link_free + self._net_s(nbytes) + self._decode_s(last, size[last][x])
+            finish = max(cpu_free + cpu[x] + decode, link)
+            cost = self.kl.get(worse, math.inf) * (tail_tokens[x] - tail_tokens[m - n])
+            cost += self.kl.get(better, math.inf) * tail_tokens[m - n]
+            following = better if (n > 0 if self.both else n == f) else worse  # the next fetch's
+            return _Plan(following, x, finish, cost, finish <= deadline)
+
+        pairs = list(zip(levels, levels[1:], strict=False)) or [(levels[0], levels[0])]
         best: _Plan | None = None
-        for level in self.levels[undecided[-1]]:
-            sizes = [self._size(k, level) for k in undecided]
-            tail, tail_tokens = [0.0] * (m + 1), [0] * (m + 1)
-            for x in range(m - 1, -1, -1):
-                tail[x], tail_tokens[x] = tail[x + 1] + sizes[x], tail_tokens[x + 1] + tokens[x]
-            for x in texts:
-                link = now if x == m else link_free + self._net_s(tail[x]) + self._decode_s(level, sizes[x])
-                finish = max(cpu_free + cpu[x] + self._decode_s(level, tail[x]), link)
-                cost = self.kl.get(level, math.inf) * tail_tokens[x]
-                plan = _Plan(level, x, finish, cost, finish <= deadline)
-                if best is None or _better(plan, best):
-                    best = plan
+        for x in range(m + (not fetch)) if self.both else range(1):
+            for better, worse in pairs:
+                candidates = [plan(x, better, worse, 0)]
+                lo, hi = 0, m - x  # the most chunks at `better` that still fit: finish grows with n
+                if candidates[0].feasible:
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        lo, hi = (mid, hi) if plan(x, better, worse, mid).feasible else (lo, mid - 1)
+                    candidates.append(plan(x, better, worse, lo))
+                for c in candidates:
+                    if best is None or _better(c, best):
+                        best = c
         return best
 
     def _choose(self, j: int, now: float) -> tuple[str, str] | None:
@@ -902,6 +928,14 @@ class _Loader:
             for k, d in enumerate(self.done):
                 if not d:
                     self._claim(k, "failed")
+
+
+def _suffix_sums(values: list[float] | list[int]) -> list[float]:
+    """[sum(values[x:]) for x in 0..len(values)]."""
+    out = [0.0] * (len(values) + 1)
+    for x in range(len(values) - 1, -1, -1):
+        out[x] = out[x + 1] + values[x]
+    return out
 
 
 def _better(a: _Plan, b: _Plan) -> bool:
