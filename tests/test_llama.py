@@ -258,6 +258,24 @@ def test_more_token_ids_than_positions_are_refused_on_save_and_load(tmp_path: Pa
         _assert_mismatch_leaves_context(target, blob, CorruptDataError, message)
 
 
+def test_an_empty_state_loads_as_empty() -> None:
+    """llama.cpp restores nothing from a state without cells: loading one (a sequence, or the whole
+    context) must still leave the target empty, not holding what it held before."""
+    llm = _llama(n_seq_max=2)
+    empty_seq = save_compressed_state(llm, level="lossless", seq_id=1)
+    empty_all = save_compressed_state(llm, level="lossless")
+    tokens = llm.tokenize(b"Some context that the loads below must replace.")
+    llm.eval(tokens)
+    assert restore_state(llm, capture_state(llm, 0), 1)  # sequence 1 holds it too
+    memory = llama_cpp.llama_get_memory(llm.ctx)
+    assert llama_cpp.llama_memory_seq_pos_max(memory, 1) == len(tokens) - 1
+    load_compressed_state(llm, empty_seq, seq_id=1)
+    assert llama_cpp.llama_memory_seq_pos_max(memory, 1) == -1
+    assert llama_cpp.llama_memory_seq_pos_max(memory, 0) == len(tokens) - 1  # untouched
+    load_compressed_state(llm, empty_all)
+    assert llama_cpp.llama_memory_seq_pos_max(memory, 0) == -1 and llm.n_tokens == 0
+
+
 def test_anchor_delta_save_loads_and_continues(saved: dict[str, Any], tmp_path: Path) -> None:
     """A whole container with the anchor/delta transform loads through load_compressed_state and
     continues the text within balanced's bounds; chunked saves refuse the transform."""

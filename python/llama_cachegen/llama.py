@@ -444,12 +444,15 @@ def restore_context(
     tokens: np.ndarray,
     logits: np.ndarray | None,
 ) -> None:
-    """Loads `state` into the whole context (target None) or sequence `target` with one llama.cpp
-    call; if llama.cpp refuses, ModelMismatchError, and if the state holds fewer positions than
+    """Loads `state` into the whole context (target None) or sequence `target`, emptied first, with
+    one llama.cpp call; if llama.cpp refuses, ModelMismatchError, and if the state holds fewer positions than
     `tokens` names, CorruptDataError: either way the context is put back as it was (else cleared).
     For the whole context or sequence 0, llama-cpp-python's token list and last logits follow, so
     the next completion evaluates only what comes after `tokens`."""
     backup = _state_array(llm, target)
+    # llama.cpp clears the target itself only for a state with cells: an empty one would leave
+    # what the target held under the loaded (empty) token list
+    forget_kv(llm, target)
     if not restore_state(llm, state, target):
         _put_back(
             llm,
