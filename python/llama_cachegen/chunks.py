@@ -50,8 +50,8 @@ from .llama import (
     LoadReport,
     StateMeta,
     _seq_id_ok,
+    _state_array,
     capture_meta,
-    capture_state,
     check_fingerprint,
     fingerprint_key,
     load_compressed_state,
@@ -409,7 +409,7 @@ def save_chunked(
     _seq_id_ok(llm, seq_id)
     store_url, manifest_key = split_manifest_url(url)
     meta = capture_meta(llm, seq_id, tokens)
-    state = capture_state(llm, seq_id)
+    state = _state_array(llm, seq_id)  # no copy into bytes: the encoders read any buffer
     kind = "full_buffer" if seq_id is None else "seq_buffer"
     info = codec.inspect_state(state, kind)
     n = int(meta.tokens.size)
@@ -464,7 +464,7 @@ def _save_wholes(
     store: stores.Store,
     uploads: _Uploads,
     manifest: Manifest,
-    state: bytes,
+    state: np.ndarray,
     kind: str,
     levels: tuple[str, ...],
     threads: int | None,
@@ -486,7 +486,7 @@ def _save_chunks(
     store: stores.Store,
     uploads: _Uploads,
     manifest: Manifest,
-    state: bytes,
+    state: np.ndarray,
     kind: str,
     levels: tuple[str, ...],
     threads: int | None,

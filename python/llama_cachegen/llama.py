@@ -362,7 +362,7 @@ def save_compressed_state(
     """
     _seq_id_ok(llm, seq_id)
     meta = capture_meta(llm, seq_id, tokens)
-    state = capture_state(llm, seq_id)
+    state = _state_array(llm, seq_id)  # no copy into bytes: the encoder reads any buffer
     kind = "full_buffer" if seq_id is None else "seq_buffer"
     blob = codec.encode(state, level, threads=threads, kind=kind, transform=transform, user_meta=meta.pack())
     return blob if dest is None else write_url(dest, blob)
