@@ -1,6 +1,7 @@
 #include "container.h"
 
 #include <cstdlib>
+#include <memory>
 
 namespace lcg {
 
@@ -31,7 +32,8 @@ uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sect
         size[i] = sections[i].size();
         total += size[i];
     }
-    uint8_t * out = static_cast<uint8_t *>(alloc_filled(total));
+    std::unique_ptr<uint8_t, void (*)(void *)> owned(static_cast<uint8_t *>(alloc_filled(total)), std::free);
+    uint8_t * out = owned.get();
     LCG_CHECK(out != nullptr, LCG_ERR_OUT_OF_MEMORY, "cannot allocate a %zu-byte container", total);
     // Each payload checksummed and copied in one visit, the sections shared among the threads.
     std::vector<uint32_t> crc(sections.size());
@@ -76,7 +78,7 @@ uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sect
     std::memcpy(out + HEADER_SIZE - 4, &header_crc, 4);
     std::memcpy(out + HEADER_SIZE, table.buf.data(), table.buf.size());
     *out_size = total;
-    return out;
+    return owned.release();
 }
 
 ContainerView read_container(const uint8_t * data, size_t size) {
