@@ -125,6 +125,10 @@ public:
     // Keeps tensor i's rows from worker `worker`'s buffer.
     void keep(size_t i, size_t worker) {
         const std::vector<uint8_t> & bytes = scratch_[worker].buf;
+        if (bytes.empty()) {  // nothing to place (and maybe no block yet)
+            rows_[i] = {nullptr, 0};
+            return;
+        }
         uint8_t * at;
         {
             std::lock_guard<std::mutex> lock(mutex_);
@@ -137,9 +141,7 @@ public:
             at = blocks_.back().get() + used_;
             used_ += bytes.size();
         }
-        if (!bytes.empty()) {
-            std::memcpy(at, bytes.data(), bytes.size());
-        }
+        std::memcpy(at, bytes.data(), bytes.size());
         rows_[i] = {at, bytes.size()};
     }
     // Tensor sections viewing the rows (valid while this object lives).
