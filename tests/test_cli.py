@@ -105,6 +105,9 @@ def test_decompress_says_what_a_non_container_is(slot_file: Path, tmp_path: Path
     proc = _cli("decompress", slot_file, tmp_path / "out", check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert f"{slot_file} is a llama.cpp state (seq_file), not a container" in proc.stderr
+    skeleton = next((slot_file.parent / "lcg3" / "skeletons").iterdir())
+    proc = _cli("decompress", skeleton, tmp_path / "out", check=False)
+    assert proc.returncode == 1 and "chunked context's skeleton object, not a whole container" in proc.stderr
     truncated = tmp_path / "truncated.lcg"
     truncated.write_bytes(slot_file.with_name("saved.lcg").read_bytes()[:-100])
     proc = _cli("decompress", truncated, tmp_path / "out", check=False)

@@ -274,9 +274,15 @@ def _decompress(args: argparse.Namespace) -> int:
     blob = read_url(args.input)
     start = time.perf_counter()
     try:
-        data = codec.decode(blob, threads=args.threads)
+        part = codec.inspect(blob)["part"]
     except NotAContainerError as exc:
         raise _not_a_container(str(args.input), blob, exc) from None
+    if part != "whole":  # a skeleton would decode to its state with every K/V byte zero
+        raise InvalidArgumentError(
+            f"{args.input} is a chunked context's {part} object, not a whole container: its context "
+            "loads through its manifest (`llama-cachegen load MANIFEST --model GGUF`)"
+        )
+    data = codec.decode(blob, threads=args.threads)
     seconds = time.perf_counter() - start
     write_url(args.output, data)
     result = {
