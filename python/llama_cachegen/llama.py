@@ -136,7 +136,7 @@ class LoadReport:
     """What `load_compressed_state` did."""
 
     tokens: int  # token ids restored into llama-cpp-python's bookkeeping
-    cells: int  # KV cells restored
+    cells: int  # KV cells restored (every cache's: Gemma 3, two per position); chunked loads: positions
     bytes_read: int
     state_bytes: int
     ratio: float
