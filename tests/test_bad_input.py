@@ -10,7 +10,7 @@ import llama_cachegen as lcg
 import numpy as np
 import pytest
 from conftest import full_buffer, kv_cache_bytes, seq_buffer, seq_file, session_file
-from llama_cachegen import quality
+from llama_cachegen import codec, quality
 
 HEADER = 64
 ENTRY = 32
@@ -243,6 +243,8 @@ def test_hybrid_tail_is_carried_verbatim() -> None:
     state = full_buffer(kv_cache_bytes(rng) + tail, "jamba")
     _round_trips(state, 4)
     assert lcg.decode(lcg.encode(state, "compact")).endswith(tail)
+    assert codec.inspect_state(state)["tail"]
+    assert not codec.inspect_state(full_buffer(kv_cache_bytes(rng)))["tail"]
 
 
 def test_non_finite_values_fall_back_to_lossless() -> None:

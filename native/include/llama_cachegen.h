@@ -166,7 +166,10 @@ typedef struct {
     uint32_t pos_begin, pos_end;/* chunk: its positions; whole/skeleton of a chunkable state: 0, n */
     uint8_t  stats_id[32];      /* chunk: the id of the statistics it was coded with             */
     uint32_t chunkable;         /* state / whole / skeleton: 1 if it can be cut into chunks       */
-    uint32_t reserved[5];
+    uint32_t has_tail;          /* lcg_inspect_state: 1 if bytes follow its KV caches (a hybrid
+                                   model's recurrent state, of the last position): the state's
+                                   chunks then load at its full length only                   */
+    uint32_t reserved[4];
 } lcg_info;
 
 /* One entry of the container's section table. */

@@ -264,6 +264,7 @@ int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind,
         info->n_tokens = st.n_tokens;
         info->state_size = state_size;
         info->kv_bytes = st.kv_bytes;
+        info->has_tail = st.tail_offset < state_size;
         try {
             info->pos_end = chunkable_positions(st);
             info->chunkable = 1;

@@ -23,7 +23,7 @@ from llama_cpp.llama_cache import BaseLlamaCache
 
 from . import chunks, codec
 from .errors import CacheGenError, EntryNotFoundError, InvalidArgumentError
-from .llama import StateMeta, fingerprint_key, model_fingerprint
+from .llama import StateMeta, fingerprint_key, has_recurrent_state, model_fingerprint
 from .model import cache_dir
 from .stores import Store, open_store
 
@@ -49,6 +49,10 @@ class CompressedStateCache(BaseLlamaCache):
     (authentication tag when the store has a key, key chain, tokens, fingerprint, checksums) and
     decoded; anything that fails, or that llama.cpp still refuses (llama_cachegen.Llama), is
     removed and counts as a miss.
+
+    A recurrent or hybrid model's state holds the recurrent state of its last position only, so no
+    prefix can be cut from it: such a cache stores nothing and always misses (its chunks saved by
+    `save_chunked` into the same store are left alone).
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class CompressedStateCache(BaseLlamaCache):
         self.hits = self.misses = 0
         self._fingerprint: dict[str, Any] | None = None
         self._n_ctx: int | None = None
+        self._recurrent = False
         if model is not None:
             self.bind(model)
 
@@ -80,6 +85,7 @@ class CompressedStateCache(BaseLlamaCache):
         self._fingerprint = model_fingerprint(llm)
         self.namespace = fingerprint_key(self._fingerprint)
         self._n_ctx = len(llm.input_ids)
+        self._recurrent = has_recurrent_state(llm)
 
     def _bound(self) -> dict[str, Any]:
         if self._fingerprint is None:
@@ -98,6 +104,9 @@ class CompressedStateCache(BaseLlamaCache):
         """The stored complete chunks at this cache's level that start `key`."""
         tokens = np.asarray(key, dtype=np.intc)
         c = self.chunk_tokens
+        if self._recurrent:
+            self._bound()
+            return chunks.PrefixMatch(c, 0, 0, [], [])
         room = tokens.size if self._n_ctx is None else min(tokens.size, self._n_ctx)
         match = chunks._match(self.store, self._bound(), tokens[: room // c * c], c)
         match.chunks = next((i for i, lv in enumerate(match.levels) if self.level not in lv), match.chunks)
@@ -169,8 +178,8 @@ class CompressedStateCache(BaseLlamaCache):
     def __setitem__(self, key: Sequence[int], value: llama_cpp.llama.LlamaState) -> None:
         fingerprint = self._bound()
         n = int(value.n_tokens)
-        if n < self.chunk_tokens:
-            return  # no complete chunk
+        if n < self.chunk_tokens or self._recurrent:
+            return  # no complete chunk, or no prefix that could be cut from the state
         state = bytes(value.llama_state[: value.llama_state_size])
         info = codec.inspect_state(state, "full_buffer")
         if not info["chunkable"] or info["positions"] != (0, n):

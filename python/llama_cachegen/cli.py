@@ -401,12 +401,14 @@ FLOOR_MARGIN = 1.5
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from .llama import require_kv_cache
     from .quality import compare_logits, continuation_logits, make_llama, state_of
 
     model = _model(args.model)
     n_ctx = args.tokens + args.cont + 64
     _progress(f"loading {model}")
     llm = make_llama(model, n_ctx=n_ctx, n_threads=args.threads)
+    require_kv_cache(llm)
     all_tokens = llm.tokenize(_text(args.text).encode())
     if len(all_tokens) < args.tokens + args.cont:
         raise CacheGenError(f"{args.text} has {len(all_tokens)} tokens, fewer than --tokens + --cont")
@@ -446,9 +448,13 @@ def _eval(args: argparse.Namespace) -> int:
         )
     for name in args.cache_types:
         _progress(f"llama.cpp cache type {name}")
-        qllm = make_llama(
-            model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True, type_k=name, type_v=name
-        )
+        try:
+            qllm = make_llama(
+                model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True, type_k=name, type_v=name
+            )
+        except ValueError:  # llama-cpp-python: "Failed to create llama_context"
+            _progress(f"llama.cpp makes no context with a {name} cache for this model: not compared")
+            continue
         qstate = state_of(qllm, prefix)
         metrics = compare_logits(fa_ref, continuation_logits(qllm, qstate, prefix, cont), cont)
         qllm.close()
@@ -504,6 +510,9 @@ def _eval(args: argparse.Namespace) -> int:
         for r in rows
     ]
     print(_table(table))
+    for level, ref_type in LEVEL_PROMISES.items():
+        if level in args.levels and level not in promises and ref_type in args.cache_types:
+            print(f"{level}: not measured (llama.cpp could not run a {ref_type} cache on this model)")
     for level, p in promises.items():
         verdict = "holds" if p["holds"] else "DOES NOT HOLD"
         noise = (

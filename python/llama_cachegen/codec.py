@@ -394,11 +394,12 @@ def inspect(blob: Buffer) -> dict[str, Any]:
 
 
 def inspect_state(state: Buffer, kind: str = "auto") -> dict[str, Any]:
-    """Parses a llama.cpp state without encoding it; raises UnsupportedFormatError if unreadable."""
+    """Parses a llama.cpp state without encoding it; raises UnsupportedFormatError if unreadable.
+    "tail": bytes follow its KV caches (a hybrid model's recurrent state, of the last position)."""
     src = _view(state)
     info = ffi.new("lcg_info *")
     check(lib.lcg_inspect_state(src, len(src), _kind(kind), info))
-    return _info_dict(info)
+    return {**_info_dict(info), "tail": bool(info.has_tail)}
 
 
 def user_meta(blob: Buffer) -> bytes:

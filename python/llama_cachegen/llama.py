@@ -30,7 +30,13 @@ import numpy as np
 from llama_cpp import _internals
 
 from . import codec, envelope
-from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, ModelMismatchError
+from .errors import (
+    CacheGenError,
+    CorruptDataError,
+    InvalidArgumentError,
+    ModelMismatchError,
+    UnsupportedFormatError,
+)
 from .stores import read_url, write_url
 
 ENVELOPE_MAGIC = b"LCGL"
@@ -315,12 +321,31 @@ def _positions(llm: llama_cpp.Llama, seq_id: int | None) -> int:
     return llama_cpp.llama_memory_seq_pos_max(memory, 0 if seq_id is None else seq_id) + 1
 
 
+def has_recurrent_state(llm: llama_cpp.Llama) -> bool:
+    """True for a recurrent (Mamba, RWKV) or hybrid model (LFM2, Jamba, Granite 4 H, ...): its
+    state carries, beside any KV cache, a recurrent state of the last position only, which no
+    prefix of the context can be cut from."""
+    return bool(llama_cpp.llama_model_is_recurrent(llm.model) or llama_cpp.llama_model_is_hybrid(llm.model))
+
+
+def require_kv_cache(llm: llama_cpp.Llama) -> None:
+    """Refuses a purely recurrent model (UnsupportedFormatError): its state holds no KV cache."""
+    if llama_cpp.llama_model_is_recurrent(llm.model):
+        arch = llm.metadata.get("general.architecture", "this model")
+        raise UnsupportedFormatError(
+            f"{arch} is a recurrent model: its state holds no KV cache, which is what llama-cachegen "
+            "compresses (a fixed-size recurrent state instead); llama.cpp's own llm.save_state() keeps it"
+        )
+
+
 def capture_meta(llm: llama_cpp.Llama, seq_id: int | None, tokens: Sequence[int] | None = None) -> StateMeta:
     """The envelope for a state of `llm` (tokens default to llama-cpp-python's own, for seq 0 / all).
 
     The token ids name positions 0.. of the sequence: more ids than it holds positions are refused
     (a load would claim KV that is not there); fewer are fine (llama-cpp-python's next eval drops
-    the positions past its tokens), none means unknown."""
+    the positions past its tokens), none means unknown. A purely recurrent model is refused
+    (`require_kv_cache`)."""
+    require_kv_cache(llm)
     own = seq_id in (None, 0)
     if tokens is None:
         tokens = llm.input_ids[: llm.n_tokens] if own else []

@@ -362,6 +362,11 @@ class Sharing:
                 "a model with sliding-window layers: llama.cpp's slot file keeps only their last window, "
                 "so no prefix of it can be shared (README, Share a context across llama-server instances)"
             )
+        if info["tail"]:
+            raise UnsupportedFormatError(
+                "a hybrid model: its slot file holds the recurrent state of the last position, which no "
+                "prefix can be cut from, so no prefix of it can be shared"
+            )
         if not info["chunkable"] or info["positions"] != (0, int(tokens.size)):
             raise CorruptDataError(
                 f"the slot holds positions {info['positions']} for {tokens.size} tokens: not chunkable"

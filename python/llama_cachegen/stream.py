@@ -75,6 +75,7 @@ from .llama import (
     check_fingerprint,
     fingerprint_key,
     forget_kv,
+    has_recurrent_state,
     load_compressed_state,
     model_fingerprint,
     restore_context,
@@ -368,6 +369,8 @@ class _Loader:
         self.fallback: str | None = None
         self.decode_s_per_byte: dict[str, float] = {}
         self.held = -1  # positions 0..held-1 of the buffer are what the context holds (-1: not ours)
+        # a recurrent state is of the last position only: a prefix cannot be restored or cut back to
+        self.recurrent = has_recurrent_state(llm)
         self.backup: tuple[np.ndarray | None] | None = None
         self.tps_key = _tps_key(llm)
         self.state: np.ndarray | None = None
@@ -787,8 +790,9 @@ class _Loader:
 
     def _compute(self, i: int) -> None:
         """Chunk i computed by llama.cpp on top of chunks 0..i-1 (what the context holds, else
-        restored from the buffer), in pieces of _PIECE tokens, and spliced into the buffer (once
-        there is one: before the skeleton arrives, the context keeps the chunks computed so far).
+        restored from the buffer; for a model with a recurrent state, computed again from the
+        first token), in pieces of _PIECE tokens, and spliced into the buffer (once there is one:
+        before the skeleton arrives, the context keeps the chunks computed so far).
         Given up (_Stopped) as soon as a fetch of the chunk has arrived; between pieces, a
         skeleton that arrived becomes the buffer and the link is fed."""
         rec = self.records[i]
@@ -800,21 +804,23 @@ class _Loader:
             self.backup = (self._capture(),)
         memory = llama_cpp.llama_get_memory(self.llm.ctx)
         seq = 0 if self.target is None else self.target
+        first = b  # the first position computed
         if self.held != b:
-            if b == 0:
+            if b == 0 or self.recurrent:
                 forget_kv(self.llm, self.target)
+                first = 0
             else:
                 assert self.state is not None  # without a buffer, the context holds chunks 0..i-1
                 before = codec.skeleton_state(self.skeleton, b, alloc=codec.empty_buffer)
                 codec.splice(before, self.state, 0, b)
                 if not restore_state(self.llm, before, self.target):
                     raise ModelMismatchError("llama.cpp refused the state of the chunks before a text chunk")
-            self.held = b
-        llama_cpp.llama_memory_seq_rm(memory, seq, b, -1)
+            self.held = first
+        llama_cpp.llama_memory_seq_rm(memory, seq, first, -1)
         with self.cv:
             self.computing = i
         try:
-            for p in range(b, e, _PIECE):
+            for p in range(first, e, _PIECE):
                 with self.cv:
                     if self.tps:
                         self.cpu_free = time.perf_counter() + (e - p) / self.tps
@@ -823,7 +829,7 @@ class _Loader:
                         self.plan[i] = job.level
                         rec.level, rec.reason = job.level, "raced"
                         llama_cpp.llama_memory_seq_rm(memory, seq, b, -1)
-                        self.held = b
+                        self.held = -1 if self.recurrent and p > b else b  # not cut back: unknown
                         raise _Stopped
                     skeleton = self.skeleton_job
                     self._feed()
@@ -839,7 +845,7 @@ class _Loader:
                 self.computing = None
         if self.state is not None:
             codec.splice(self.state, _state_array(self.llm, self.target), b, e)
-        _learn_tps(self.tps_key, (e - b) / (time.perf_counter() - start))
+        _learn_tps(self.tps_key, (e - first) / (time.perf_counter() - start))
         if not self.tps_given:
             with self.cv:
                 self.tps = _tps_cache.get(self.tps_key, self.tps)

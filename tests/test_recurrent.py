@@ -1,0 +1,199 @@
+"""Models with a recurrent state, on real llama.cpp: a hybrid (LFM2: short-convolution layers and
+attention layers) and a purely recurrent one (Mamba), tiny GGUFs with random weights
+(tiny_models.py). A recurrent state is of the last position only: the attention KV compresses
+and chunks as any other, the recurrent part travels verbatim with the whole context, and nothing
+ever pairs a prefix's KV with the state of a longer context."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cachegen as lcg
+import numpy as np
+import pytest
+from llama_cachegen import chunks, codec, stream
+from llama_cachegen.cache import CompressedStateCache
+from llama_cachegen.errors import UnsupportedFormatError
+from llama_cachegen.llama import (
+    capture_state,
+    load_compressed_state,
+    model_fingerprint,
+    save_compressed_state,
+)
+from llama_cachegen.proxy import Sharing, seq_buffer_to_slot_file
+from tiny_models import N_VOCAB, write_lfm2, write_mamba
+
+N = 300
+C = 64
+RNG = np.random.default_rng(7)
+TOKENS = [int(t) for t in RNG.integers(3, N_VOCAB, N)]
+OTHER = [int(t) for t in RNG.integers(3, N_VOCAB, 60)]
+CONT = [int(t) for t in RNG.integers(3, N_VOCAB, 8)]
+# completions pick letters only: a random model's byte tokens rarely form UTF-8, and
+# llama-cpp-python generates on past max_tokens until they do
+LETTERS_ONLY = {t: -1e9 for t in range(N_VOCAB - 26)}
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_lfm2(tmp_path_factory.mktemp("tiny") / "lfm2.gguf")
+
+
+@pytest.fixture(scope="module")
+def mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_mamba(tmp_path_factory.mktemp("tiny") / "mamba.gguf")
+
+
+def make(model: Path) -> lcg.Llama:
+    return lcg.Llama(str(model), n_ctx=1024, logits_all=True, verbose=False)
+
+
+def continuation(llm: lcg.Llama, n: int) -> np.ndarray:
+    """Logits of CONT after the first n positions the context holds."""
+    llm.n_tokens = n
+    llm.eval(CONT)
+    return np.array(llm.scores[n : n + len(CONT)])
+
+
+@pytest.fixture(scope="module")
+def reference(lfm2: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for name, tokens in (("all", TOKENS), ("other", TOKENS[:200] + OTHER)):
+        llm = make(lfm2)
+        llm.eval(tokens)
+        out[name] = continuation(llm, len(tokens))
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(lfm2: Path) -> lcg.Llama:
+    llm = make(lfm2)
+    llm.eval(TOKENS)
+    return llm
+
+
+def test_a_hybrid_state_is_its_attention_kv_plus_a_verbatim_tail(source: lcg.Llama) -> None:
+    info = codec.inspect_state(capture_state(source, None))
+    # two of the four layers attend: one KV cache of those two layers, every position; the
+    # short-convolution state follows it and is carried as it is
+    assert (info["caches"], info["layers"], info["positions"], info["tail"]) == (1, 2, (0, N), True)
+
+
+@pytest.mark.parametrize("level", ["lossless", "balanced"])
+def test_hybrid_whole_and_chunked_round_trips(
+    tmp_path: Path, lfm2: Path, source: lcg.Llama, reference: dict[str, np.ndarray], level: str
+) -> None:
+    save_compressed_state(source, tmp_path / "ctx.lcg", level=level)
+    chunks.save_chunked(source, f"file://{tmp_path}/store/ctx", levels=(level,), chunk_tokens=C)
+    for load in (
+        lambda llm: load_compressed_state(llm, tmp_path / "ctx.lcg"),
+        lambda llm: chunks.load_chunked(llm, f"file://{tmp_path}/store/ctx"),
+    ):
+        llm = make(lfm2)
+        load(llm)
+        got = continuation(llm, N)
+        if level == "lossless":
+            np.testing.assert_array_equal(got, reference["all"])
+        else:  # random weights: only that the lossy state loads and runs
+            assert np.isfinite(got).all()
+
+
+def test_a_hybrid_prefix_is_refused_never_paired_with_the_longer_state(
+    tmp_path: Path, lfm2: Path, source: lcg.Llama, reference: dict[str, np.ndarray]
+) -> None:
+    chunks.save_chunked(source, f"file://{tmp_path}/ctx", levels=("lossless",), chunk_tokens=C)
+    llm = make(lfm2)
+    with pytest.raises(UnsupportedFormatError, match="recurrent part"):
+        chunks.load_prefix(llm, f"file://{tmp_path}", TOKENS[:200] + OTHER, chunk_tokens=C)
+    assert llm.n_tokens == 0
+    # the whole context is a prefix of itself: its full length loads
+    report = chunks.load_prefix(llm, f"file://{tmp_path}", TOKENS, chunk_tokens=C)
+    assert report.tokens == N
+    np.testing.assert_array_equal(continuation(llm, N), reference["all"])
+
+
+def test_a_hybrid_stream_computes_from_the_first_token_after_a_failed_chunk(
+    tmp_path: Path, lfm2: Path, source: lcg.Llama, reference: dict[str, np.ndarray]
+) -> None:
+    """Chunks 0-1 arrive, chunk 2 is damaged (fails twice): what is not in the buffer is computed
+    from text. A recurrent state cannot be restored for a prefix, so llama.cpp computes from
+    position 0 (the load failed before)."""
+    url = f"file://{tmp_path}/ctx"
+    chunks.save_chunked(source, url, levels=("lossless",), chunk_tokens=C)
+    key = chunks.read_manifest(url).chunks[2].key
+    obj = tmp_path / chunks._chunk_key(key, "lossless")
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    obj.write_bytes(bytes(data))
+    llm = make(lfm2)
+    report = stream.load_streaming(llm, url)
+    assert report.text_chunks[0] == 2 and report.fallback
+    np.testing.assert_array_equal(continuation(llm, N), reference["all"])
+
+
+def test_the_prompt_cache_of_a_hybrid_stores_nothing_and_never_deletes_saved_chunks(
+    tmp_path: Path, lfm2: Path, source: lcg.Llama
+) -> None:
+    store = f"file://{tmp_path}"
+    chunks.save_chunked(source, f"{store}/ctx", levels=("balanced",), chunk_tokens=C)
+    saved = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    texts = []
+    for _ in range(2):  # a fresh context each time: llama-cpp-python cannot cut a recurrent state back
+        llm = make(lfm2)
+        cache = CompressedStateCache(store, chunk_tokens=C, level="balanced")
+        llm.set_cache(cache)
+        out = llm.create_completion(TOKENS[:200], max_tokens=4, temperature=0.0, logit_bias=LETTERS_ONLY)
+        texts.append(out["choices"][0]["text"])
+        assert (cache.hits, cache.misses) == (0, 1)
+    assert texts[0] == texts[1]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == saved
+
+
+def test_a_recurrent_model_is_refused_with_a_clear_error(tmp_path: Path, mamba: Path) -> None:
+    llm = make(mamba)
+    llm.eval(TOKENS[:50])
+    with pytest.raises(UnsupportedFormatError, match="mamba is a recurrent model"):
+        save_compressed_state(llm, tmp_path / "ctx.lcg")
+    with pytest.raises(UnsupportedFormatError, match="recurrent model"):
+        chunks.save_chunked(llm, f"file://{tmp_path}/ctx")
+    assert not list(tmp_path.iterdir())
+    # the prompt cache stays out of the way: the completion is not lost
+    fresh = make(mamba)
+    fresh.set_cache(CompressedStateCache(f"file://{tmp_path}/cache", chunk_tokens=C))
+    out = fresh.create_completion(TOKENS[:100], max_tokens=2, temperature=0.0, logit_bias=LETTERS_ONLY)
+    assert out["usage"]["completion_tokens"] == 2
+    assert not list(tmp_path.rglob("lcg3/*"))
+
+
+def test_llama_server_sharing_refuses_a_hybrid_slot_and_says_why(tmp_path: Path, source: lcg.Llama) -> None:
+    """The sequence state llama.cpp writes for a hybrid model, as a llama-server slot file: the
+    proxy's upload refuses it before opening the store (the request it follows is not failed)."""
+    slot = seq_buffer_to_slot_file(capture_state(source, 0), np.asarray(TOKENS, dtype=np.int32))
+    sharing = Sharing((tmp_path / "store").as_uri(), model_fingerprint(source), 1024, chunk_tokens=C)
+    with pytest.raises(UnsupportedFormatError, match="hybrid model"):
+        sharing.upload(slot)
+    assert not (tmp_path / "store").exists()
+
+
+def test_cli_eval_names_what_it_could_not_measure(lfm2: Path, mamba: Path) -> None:
+    args = ("--tokens", "100", "--cont", "16", "--threads", "1")
+    out = subprocess.run(
+        [sys.executable, "-m", "llama_cachegen", "eval", "--model", str(mamba), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0 and "mamba is a recurrent model" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "llama_cachegen", "eval", "--model", str(lfm2), *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["method"]: r for r in json.loads(out.stdout)["rows"]}
+    assert rows["llama-cachegen lossless"]["kl"] == 0.0

@@ -1,0 +1,128 @@
+"""Tiny GGUF models of architectures the bundled SmolLM2 is not, written with gguf-py (random
+weights, a byte-level SentencePiece vocabulary): real llama.cpp runs them, so their states are the
+layouts llama.cpp really writes. Weights are random, so only exactness and what loads are tested
+on them, never quality.
+
+- `write_lfm2`: LFM2, a hybrid model: short-convolution layers (a recurrent state) and attention
+  layers (a KV cache), in one state.
+- `write_mamba`: Mamba, a recurrent model: no KV cache at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+N_VOCAB = 3 + 256 + 26
+
+
+def _vocab(w: gguf.GGUFWriter) -> None:
+    """<unk>, <s>, </s>, the 256 byte tokens and ▁a..▁z."""
+    letters = ["▁" + c for c in "abcdefghijklmnopqrstuvwxyz"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + letters
+    types = [2, 3, 3] + [6] * 256 + [1] * 26  # unknown, control, byte, normal
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
+class _Weights:
+    def __init__(self, w: gguf.GGUFWriter, seed: int) -> None:
+        self.w, self.rng = w, np.random.default_rng(seed)
+
+    def random(self, name: str, *shape: int, scale: float = 0.1) -> None:
+        """A tensor of ggml shape `shape` (ne0 first)."""
+        self.w.add_tensor(name, (self.rng.standard_normal(shape[::-1]) * scale).astype(np.float32))
+
+    def ones(self, name: str, n: int) -> None:
+        self.w.add_tensor(name, np.ones(n, np.float32))
+
+
+def _finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_lfm2(
+    path: Path, *, n_embd: int = 64, n_head: int = 4, kv_heads: Sequence[int] = (0, 2, 0, 2), n_ff: int = 128
+) -> Path:
+    """LFM2 with one layer per entry of `kv_heads`: 0 is a short-convolution layer, else attention
+    with that many KV heads."""
+    w = gguf.GGUFWriter(str(path), "lfm2")
+    w.add_name("tiny-lfm2")
+    _vocab(w)
+    w.add_context_length(4096)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(len(kv_heads))
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(list(kv_heads))
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    l_cache = 3
+    w.add_uint32("lfm2.shortconv.l_cache", l_cache)
+    t = _Weights(w, seed=0)
+    head = n_embd // n_head
+    t.random("token_embd.weight", n_embd, N_VOCAB, scale=1.0)
+    t.ones("token_embd_norm.weight", n_embd)
+    for i, kv in enumerate(kv_heads):
+        t.ones(f"blk.{i}.ffn_norm.weight", n_embd)
+        t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
+        t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
+        t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        if kv:
+            t.ones(f"blk.{i}.attn_q_norm.weight", head)
+            t.ones(f"blk.{i}.attn_k_norm.weight", head)
+            t.random(f"blk.{i}.attn_q.weight", n_embd, n_embd)
+            t.random(f"blk.{i}.attn_k.weight", n_embd, kv * head)
+            t.random(f"blk.{i}.attn_v.weight", n_embd, kv * head)
+            t.random(f"blk.{i}.attn_output.weight", n_embd, n_embd)
+        else:
+            t.random(f"blk.{i}.shortconv.conv.weight", l_cache, n_embd)
+            t.random(f"blk.{i}.shortconv.in_proj.weight", n_embd, 3 * n_embd)
+            t.random(f"blk.{i}.shortconv.out_proj.weight", n_embd, n_embd)
+    _finish(w)
+    return path
+
+
+def write_mamba(path: Path, *, n_embd: int = 64, n_layer: int = 2, d_state: int = 8, d_conv: int = 4) -> Path:
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_name("tiny-mamba")
+    _vocab(w)
+    d_inner, dt_rank = 2 * n_embd, max(1, n_embd // 16)  # llama.cpp supports an expansion of 2 only
+    w.add_context_length(4096)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    t = _Weights(w, seed=0)
+    t.random("token_embd.weight", n_embd, N_VOCAB, scale=1.0)
+    t.ones("output_norm.weight", n_embd)
+    for i in range(n_layer):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        t.random(f"blk.{i}.ssm_in.weight", n_embd, 2 * d_inner)
+        t.random(f"blk.{i}.ssm_conv1d.weight", d_conv, d_inner)
+        t.random(f"blk.{i}.ssm_conv1d.bias", d_inner)
+        t.random(f"blk.{i}.ssm_x.weight", d_inner, dt_rank + 2 * d_state)
+        t.random(f"blk.{i}.ssm_dt.weight", dt_rank, d_inner)
+        t.random(f"blk.{i}.ssm_dt.bias", d_inner)
+        w.add_tensor(f"blk.{i}.ssm_a", -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1)))
+        t.ones(f"blk.{i}.ssm_d", d_inner)
+        t.random(f"blk.{i}.ssm_out.weight", d_inner, n_embd)
+    _finish(w)
+    return path
