@@ -24,17 +24,18 @@ from llama_cachegen.llama import (
     save_compressed_state,
 )
 from llama_cachegen.proxy import Sharing, seq_buffer_to_slot_file
-from tiny_models import N_VOCAB, write_lfm2, write_mamba
-
-N = 300
-C = 64
-RNG = np.random.default_rng(7)
-TOKENS = [int(t) for t in RNG.integers(3, N_VOCAB, N)]
-OTHER = [int(t) for t in RNG.integers(3, N_VOCAB, 60)]
-CONT = [int(t) for t in RNG.integers(3, N_VOCAB, 8)]
-# completions pick letters only: a random model's byte tokens rarely form UTF-8, and
-# llama-cpp-python generates on past max_tokens until they do
-LETTERS_ONLY = {t: -1e9 for t in range(N_VOCAB - 26)}
+from tiny_models import (
+    LETTERS_ONLY,
+    OTHER,
+    TOKENS,
+    C,
+    N,
+    continuation,
+    make,
+    reference_logits,
+    write_lfm2,
+    write_mamba,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,25 +48,9 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_mamba(tmp_path_factory.mktemp("tiny") / "mamba.gguf")
 
 
-def make(model: Path) -> lcg.Llama:
-    return lcg.Llama(str(model), n_ctx=1024, logits_all=True, verbose=False)
-
-
-def continuation(llm: lcg.Llama, n: int) -> np.ndarray:
-    """Logits of CONT after the first n positions the context holds."""
-    llm.n_tokens = n
-    llm.eval(CONT)
-    return np.array(llm.scores[n : n + len(CONT)])
-
-
 @pytest.fixture(scope="module")
 def reference(lfm2: Path) -> dict[str, np.ndarray]:
-    out = {}
-    for name, tokens in (("all", TOKENS), ("other", TOKENS[:200] + OTHER)):
-        llm = make(lfm2)
-        llm.eval(tokens)
-        out[name] = continuation(llm, len(tokens))
-    return out
+    return reference_logits(lfm2)
 
 
 @pytest.fixture(scope="module")

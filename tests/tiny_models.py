@@ -1,11 +1,13 @@
 """Tiny GGUF models of architectures the bundled SmolLM2 is not, written with gguf-py (random
 weights, a byte-level SentencePiece vocabulary): real llama.cpp runs them, so their states are the
 layouts llama.cpp really writes. Weights are random, so only exactness and what loads are tested
-on them, never quality.
+on them, never quality. Below the writers: the tokens, contexts and logits the tests share.
 
 - `write_lfm2`: LFM2, a hybrid model: short-convolution layers (a recurrent state) and attention
   layers (a KV cache), in one state.
 - `write_mamba`: Mamba, a recurrent model: no KV cache at all.
+- `write_deepseek2_mla`: multi-head latent attention: K rows only, no V.
+- `write_qwen2vl`: M-RoPE: KV cells with llama.cpp's 12-byte extension; Qwen's K bias.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
+import llama_cachegen as lcg
 import numpy as np
 
 N_VOCAB = 3 + 256 + 26
@@ -45,6 +48,30 @@ class _Weights:
         self.w.add_tensor(name, np.ones(n, np.float32))
 
 
+def _begin(
+    path: Path, arch: str, n_embd: int, n_layer: int, output_norm: str = "output_norm"
+) -> tuple[gguf.GGUFWriter, _Weights]:
+    """A writer with the vocabulary, the sizes every architecture has, the token embedding and the
+    output norm."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    _vocab(w)
+    w.add_context_length(4096)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    t = _Weights(w, seed=0)
+    t.random("token_embd.weight", n_embd, N_VOCAB, scale=1.0)
+    t.ones(f"{output_norm}.weight", n_embd)
+    return w, t
+
+
+def _ffn(t: _Weights, i: int, n_embd: int, n_ff: int) -> None:
+    t.ones(f"blk.{i}.ffn_norm.weight", n_embd)
+    t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
+    t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
+    t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
+
+
 def _finish(w: gguf.GGUFWriter) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -57,12 +84,7 @@ def write_lfm2(
 ) -> Path:
     """LFM2 with one layer per entry of `kv_heads`: 0 is a short-convolution layer, else attention
     with that many KV heads."""
-    w = gguf.GGUFWriter(str(path), "lfm2")
-    w.add_name("tiny-lfm2")
-    _vocab(w)
-    w.add_context_length(4096)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(len(kv_heads))
+    w, t = _begin(path, "lfm2", n_embd, len(kv_heads), output_norm="token_embd_norm")
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(list(kv_heads))
@@ -70,15 +92,9 @@ def write_lfm2(
     w.add_layer_norm_rms_eps(1e-5)
     l_cache = 3
     w.add_uint32("lfm2.shortconv.l_cache", l_cache)
-    t = _Weights(w, seed=0)
     head = n_embd // n_head
-    t.random("token_embd.weight", n_embd, N_VOCAB, scale=1.0)
-    t.ones("token_embd_norm.weight", n_embd)
     for i, kv in enumerate(kv_heads):
-        t.ones(f"blk.{i}.ffn_norm.weight", n_embd)
-        t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
-        t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
-        t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
+        _ffn(t, i, n_embd, n_ff)
         t.ones(f"blk.{i}.attn_norm.weight", n_embd)
         if kv:
             t.ones(f"blk.{i}.attn_q_norm.weight", head)
@@ -96,13 +112,8 @@ def write_lfm2(
 
 
 def write_mamba(path: Path, *, n_embd: int = 64, n_layer: int = 2, d_state: int = 8, d_conv: int = 4) -> Path:
-    w = gguf.GGUFWriter(str(path), "mamba")
-    w.add_name("tiny-mamba")
-    _vocab(w)
+    w, t = _begin(path, "mamba", n_embd, n_layer)
     d_inner, dt_rank = 2 * n_embd, max(1, n_embd // 16)  # llama.cpp supports an expansion of 2 only
-    w.add_context_length(4096)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
     w.add_ssm_conv_kernel(d_conv)
     w.add_ssm_inner_size(d_inner)
     w.add_ssm_state_size(d_state)
@@ -110,9 +121,6 @@ def write_mamba(path: Path, *, n_embd: int = 64, n_layer: int = 2, d_state: int 
     w.add_layer_norm_rms_eps(1e-5)
     w.add_feed_forward_length(0)
     w.add_head_count(0)
-    t = _Weights(w, seed=0)
-    t.random("token_embd.weight", n_embd, N_VOCAB, scale=1.0)
-    t.ones("output_norm.weight", n_embd)
     for i in range(n_layer):
         t.ones(f"blk.{i}.attn_norm.weight", n_embd)
         t.random(f"blk.{i}.ssm_in.weight", n_embd, 2 * d_inner)
@@ -126,3 +134,99 @@ def write_mamba(path: Path, *, n_embd: int = 64, n_layer: int = 2, d_state: int 
         t.random(f"blk.{i}.ssm_out.weight", d_inner, n_embd)
     _finish(w)
     return path
+
+
+def write_deepseek2_mla(
+    path: Path, *, n_embd: int = 64, n_head: int = 2, n_layer: int = 2, kv_lora: int = 32, rope: int = 16
+) -> Path:
+    """DeepSeek-V2 style multi-head latent attention: the cache keeps one compressed K row per
+    token (kv_lora + rope channels) and no V."""
+    w, t = _begin(path, "deepseek2", n_embd, n_layer)
+    nope, v_head = 16, 16
+    w.add_feed_forward_length(128)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(1)
+    w.add_key_length(kv_lora + rope)  # what the cache holds per token
+    w.add_value_length(kv_lora)
+    w.add_uint32("deepseek2.attention.key_length_mla", nope + rope)
+    w.add_uint32("deepseek2.attention.value_length_mla", v_head)
+    w.add_rope_dimension_count(rope)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_q_lora_rank(0)
+    w.add_kv_lora_rank(kv_lora)
+    w.add_leading_dense_block_count(n_layer)  # dense layers only: no experts
+    w.add_expert_feed_forward_length(64)
+    w.add_expert_shared_count(0)
+    for i in range(n_layer):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        t.ones(f"blk.{i}.attn_kv_a_norm.weight", kv_lora)
+        t.random(f"blk.{i}.attn_q.weight", n_embd, n_head * (nope + rope))
+        t.random(f"blk.{i}.attn_kv_a_mqa.weight", n_embd, kv_lora + rope)
+        t.random(f"blk.{i}.attn_k_b.weight", nope, kv_lora, n_head)
+        t.random(f"blk.{i}.attn_v_b.weight", kv_lora, v_head, n_head)
+        t.random(f"blk.{i}.attn_output.weight", n_head * v_head, n_embd)
+        _ffn(t, i, n_embd, 128)
+    _finish(w)
+    return path
+
+
+def write_qwen2vl(
+    path: Path, *, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2, n_layer: int = 2
+) -> Path:
+    """Qwen2-VL: M-RoPE (four position components per token, so every KV cell carries llama.cpp's
+    12-byte extension) and Qwen's attention biases, K's large (per-channel offsets of the keys)."""
+    w, t = _begin(path, "qwen2vl", n_embd, n_layer)
+    head = n_embd // n_head
+    w.add_feed_forward_length(128)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_sections([2, 3, 3, 0])  # pairs of the head's 16 channels per component
+    for i in range(n_layer):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        t.random(f"blk.{i}.attn_q.weight", n_embd, n_embd)
+        t.random(f"blk.{i}.attn_k.weight", n_embd, n_head_kv * head)
+        t.random(f"blk.{i}.attn_v.weight", n_embd, n_head_kv * head)
+        t.random(f"blk.{i}.attn_q.bias", n_embd)
+        t.random(f"blk.{i}.attn_k.bias", n_head_kv * head, scale=3.0)
+        t.random(f"blk.{i}.attn_v.bias", n_head_kv * head)
+        t.random(f"blk.{i}.attn_output.weight", n_embd, n_embd)
+        _ffn(t, i, n_embd, 128)
+    _finish(w)
+    return path
+
+
+# ---- what the tests share -------------------------------------------------------------------
+
+N = 300  # context tokens
+C = 64  # chunk tokens
+_rng = np.random.default_rng(7)
+TOKENS = [int(t) for t in _rng.integers(3, N_VOCAB, N)]
+OTHER = [int(t) for t in _rng.integers(3, N_VOCAB, 60)]  # after TOKENS[:200]: a shared prefix
+CONT = [int(t) for t in _rng.integers(3, N_VOCAB, 8)]
+# completions pick letters only: a random model's byte tokens rarely form UTF-8, and
+# llama-cpp-python generates on past max_tokens until they do
+LETTERS_ONLY = {t: -1e9 for t in range(N_VOCAB - 26)}
+
+
+def make(model: Path) -> lcg.Llama:
+    return lcg.Llama(str(model), n_ctx=1024, logits_all=True, verbose=False)
+
+
+def continuation(llm: lcg.Llama, n: int) -> np.ndarray:
+    """Logits of CONT after the first n positions the context holds."""
+    llm.n_tokens = n
+    llm.eval(CONT)
+    return np.array(llm.scores[n : n + len(CONT)])
+
+
+def reference_logits(model: Path) -> dict[str, np.ndarray]:
+    """CONT's logits after TOKENS ("all") and after TOKENS[:200] + OTHER ("other"), computed."""
+    out = {}
+    for name, tokens in (("all", TOKENS), ("other", TOKENS[:200] + OTHER)):
+        llm = make(model)
+        llm.eval(tokens)
+        out[name] = continuation(llm, len(tokens))
+    return out
