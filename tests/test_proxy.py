@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tiny_models
 from conftest import kv_cache_bytes, seq_buffer
 from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import CorruptDataError, UnsupportedFormatError
@@ -145,8 +146,8 @@ class Cluster(Processes):
         super().__init__(root)
         self.binary = binary
 
-    def server(self, name: str) -> tuple[str, Path]:
-        return self.llama_server(name, self.binary, N_CTX)
+    def server(self, name: str, model: Path | None = None) -> tuple[str, Path]:
+        return self.llama_server(name, self.binary, N_CTX, model)
 
     def proxy_of(self, server: str, slot_dir: Path, store: str, *extra: str) -> str:
         settings = ("--levels", "lossless", "--chunk-tokens", str(CHUNK), "--threads", "2", *extra)
@@ -308,6 +309,47 @@ def test_concurrent_requests(nodes: tuple[Node, Node]) -> None:
     for t in threads:
         t.join(180)
     assert len(results) == 4 and all(isinstance(r, dict) and r["content"] for r in results), results
+
+
+@pytest.mark.parametrize(
+    ("arch", "write", "shared"),
+    [
+        ("deepseek2-mla", tiny_models.write_deepseek2_mla, True),
+        ("qwen2vl-mrope", tiny_models.write_qwen2vl, True),
+        ("lfm2-hybrid", tiny_models.write_lfm2, False),
+    ],
+)
+def test_other_architectures_share_or_say_why(
+    cluster: Cluster, tmp_path: Path, arch: str, write: Any, shared: bool
+) -> None:
+    """Tiny real GGUFs (tests/tiny_models.py): latent attention (K only) and M-RoPE cells are
+    shared between two servers, and B answers as it does computing alone; a hybrid model's slot
+    holds its recurrent state of the last position, so its upload is refused and nothing loads."""
+    model = write(tmp_path / f"{arch}.gguf")
+    store = (tmp_path / "store").as_uri()
+    proxies, servers = [], []
+    for name in ("a", "b"):
+        server, slot_dir = cluster.server(f"{arch}-{name}", model)
+        servers.append(server)
+        proxies.append(cluster.proxy_of(server, slot_dir, store))
+    body = {
+        "prompt": tiny_models.TOKENS[:250],
+        "n_predict": 4,
+        "temperature": 0.0,
+        "cache_prompt": True,
+        "logit_bias": [[t, False] for t in tiny_models.LETTERS_ONLY],  # see tiny_models
+    }
+    first = _post(proxies[0] + "/completion", body)[0]["content"]
+    stats_a = _wait_uploads(proxies[0], 1)
+    second = _post(proxies[1] + "/completion", body)[0]["content"]
+    stats_b = _stats(proxies[1])
+    alone = _post(servers[1] + "/completion", {**body, "cache_prompt": False})[0]["content"]
+    assert first == second == alone
+    if shared:
+        assert stats_a["uploads"] == 1 and stats_b["restores"] == 1
+        assert stats_b["restored_tokens"] == 250 // CHUNK * CHUNK
+    else:
+        assert stats_a["upload_errors"] == 1 and stats_b["restores"] == 0
 
 
 def test_store_down_still_answers(nodes: tuple[Node, Node], cluster: Cluster) -> None:

@@ -120,14 +120,17 @@ class Processes:
             time.sleep(0.1)
         raise CacheGenError(f"{name} not ready after {timeout:.0f} s; see {self.root / name}.log")
 
-    def llama_server(self, name: str, binary: Path, n_ctx: int) -> tuple[str, Path]:
-        """A llama-server of the default model with one slot, one thread and a slot directory:
-        (URL, slot directory)."""
+    def llama_server(
+        self, name: str, binary: Path, n_ctx: int, model: Path | None = None
+    ) -> tuple[str, Path]:
+        """A llama-server of `model` (default: the bundled one) with one slot, one thread and a slot
+        directory: (URL, slot directory)."""
         slot_dir = self.root / f"slots-{name}"
         slot_dir.mkdir()
         port = free_port()
-        argv = [str(binary), "-m", str(default_model_path()), "-c", str(n_ctx), "-np", "1", "-t", "1",
-                "-b", "512", "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(slot_dir),
+        model = model or default_model_path()
+        argv = [str(binary), "-m", str(model), "-c", str(n_ctx), "-np", "1", "-t", "1", "-b", "512",
+                "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(slot_dir),
                 "--cache-ram", "0", "--no-warmup"]  # fmt: skip
         return self.start(f"server-{name}", argv, port), slot_dir
 
