@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from llama_cachegen import chunks, codec, stream
 from llama_cachegen.cache import CompressedStateCache
-from llama_cachegen.llama import capture_state, load_compressed_state, save_compressed_state
+from llama_cachegen.llama import capture_state, load_compressed_state, model_rope, save_compressed_state
 from tiny_models import (
     LETTERS_ONLY,
     OTHER,
@@ -53,6 +53,8 @@ def test_the_layout_is_read(model: tuple[str, Path], source: lcg.Llama) -> None:
     info = codec.inspect_state(capture_state(source, None))
     per_layer = ARCHITECTURES[name][1]
     assert (info["tensors"], info["positions"], info["tail"]) == (2 * per_layer, (0, N), False)
+    # neither rotates the first channels of each head by one position per token
+    assert model_rope(source) is None
 
 
 def test_whole_chunked_prefix_and_streamed_loads_are_exact(

@@ -192,7 +192,8 @@ _ROPE_PAIRINGS = {llama_cpp.LLAMA_ROPE_TYPE_NORM: "adjacent", llama_cpp.LLAMA_RO
 
 def model_rope(llm: llama_cpp.Llama) -> codec.Rope | None:
     """The model's RoPE as `encode(rope=)` takes it, from its GGUF metadata; None when its keys are
-    not rotated by one position per token (no RoPE, M-RoPE, vision) or a head's size is unknown.
+    not rotated by one position per token (no RoPE, M-RoPE, vision), when the rotated channels do
+    not start each head (latent attention) or a head's size is unknown.
 
     Candidate bases: the model's, and 10,000 (what llama.cpp uses for the sliding-window layers of
     Gemma 3 and the like); the encoder keeps, per K tensor, the one that fits or none.
@@ -206,6 +207,8 @@ def model_rope(llm: llama_cpp.Llama) -> codec.Rope | None:
     )
     n_dims = int(md.get(f"{arch}.rope.dimension_count", head_dim))
     if pairing is None or head_dim <= 0 or not 0 < n_dims <= head_dim or n_dims % 2:
+        return None
+    if md.get(f"{arch}.attention.kv_lora_rank"):  # latent attention: the rotated channels end each row
         return None
     base = float(md.get(f"{arch}.rope.freq_base", 10000.0))
     bases = (base,) if base == 10000.0 else (base, 10000.0)
