@@ -24,6 +24,7 @@ from llama_cachegen.llama import (
     save_compressed_state,
 )
 from llama_cachegen.proxy import Sharing, seq_buffer_to_slot_file
+from llama_cachegen.shaper import Relay, Trace
 from tiny_models import (
     LETTERS_ONLY,
     OTHER,
@@ -182,3 +183,27 @@ def test_cli_eval_names_what_it_could_not_measure(lfm2: Path, mamba: Path) -> No
     assert out.returncode == 0, out.stderr
     rows = {r["method"]: r for r in json.loads(out.stdout)["rows"]}
     assert rows["llama-cachegen lossless"]["kl"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("rate", "slo_s", "tps"), [(3e4, 0.3, 600.0), (1e5, 0.15, 1200.0), (2e5, 0.6, 300.0)]
+)
+def test_a_hybrid_streamed_over_a_slow_link_mixes_text_and_chunks_exactly(
+    http_server: tuple[str, Path],
+    lfm2: Path,
+    source: lcg.Llama,
+    reference: dict[str, np.ndarray],
+    rate: float,
+    slo_s: float,
+    tps: float,
+) -> None:
+    """A shaped link and a deadline: chunks computed from the front (racing fetches, some given up
+    midway: a recurrent state is not cut back), fetched from the back, all exact at lossless."""
+    base, _ = http_server
+    url = f"{base}/hybrid/ctx"
+    chunks.save_chunked(source, url, levels=("lossless",), chunk_tokens=C)
+    with Relay(url) as relay:
+        relay.set_trace(Trace.constant(rate))
+        llm = make(lfm2)
+        stream.load_streaming(llm, f"{relay.url}", slo_s=slo_s, compute_tps=tps)
+    np.testing.assert_array_equal(continuation(llm, N), reference["all"])

@@ -828,8 +828,11 @@ class _Loader:
                     if job is not None and job.done.is_set() and job.error is None:
                         self.plan[i] = job.level
                         rec.level, rec.reason = job.level, "raced"
-                        llama_cpp.llama_memory_seq_rm(memory, seq, b, -1)
-                        self.held = -1 if self.recurrent and p > b else b  # not cut back: unknown
+                        if self.recurrent:  # not cut back (llama.cpp cannot): it holds 0..p-1
+                            self.held = p
+                        else:
+                            llama_cpp.llama_memory_seq_rm(memory, seq, b, -1)
+                            self.held = b
                         raise _Stopped
                     skeleton = self.skeleton_job
                     self._feed()
