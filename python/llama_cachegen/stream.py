@@ -41,7 +41,9 @@ tag, an object of another model) is fetched once more; if that fails too, every 
 buffer is computed from text (the skeleton likewise). When the load ends, the store is closed,
 which ends any fetch it gave up on (a stalled one would take the link from the requests after
 it). A text chunk is computed by llama.cpp on top of the chunks before it (restored from the
-buffer unless the context holds them), read back and spliced into the buffer. The context is
+buffer unless the context holds them; a hybrid model's recurrent state cannot be restored for a
+prefix, so those are computed again from the first token), read back and spliced into the
+buffer. The context is
 touched by text chunks only, and is put back as it was if the load fails; it takes the assembled
 state in one llama.cpp call at the end (llama.restore_context).
 
