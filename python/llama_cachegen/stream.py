@@ -80,6 +80,7 @@ from .llama import (
     has_recurrent_state,
     load_compressed_state,
     model_fingerprint,
+    require_kv_cache,
     restore_context,
     restore_state,
     set_tokens,
@@ -990,6 +991,7 @@ def load_streaming(
         raise InvalidArgumentError(f"prior_mbps must be positive, got {prior_mbps!r}")
     if level is not None:
         codec._level(level)
+    require_kv_cache(llm)  # before calibrating: no prefill of a model nothing could be loaded into
     table = dict(LEVEL_KL if kl_table is None else kl_table)
     store_url, key = chunks.split_manifest_url(url)
     calibrate_s = 0.0
