@@ -1,10 +1,16 @@
 """KV layouts SmolLM2 and Gemma 3 do not have, on real llama.cpp with tiny GGUFs (tiny_models.py):
-multi-head latent attention (DeepSeek-V2: K rows only, no V) and M-RoPE (Qwen2-VL: every cell
-carries llama.cpp's 12-byte extension; Qwen's K bias). Every way a context travels gives back
-exactly what llama.cpp computed, at the lossless level."""
+multi-head latent attention (DeepSeek-V2: K rows only, no V), M-RoPE (Qwen2-VL: every cell
+carries llama.cpp's 12-byte extension; Qwen's K bias), heads wider than n_embd / n_head (Qwen3),
+no RoPE (GPT-2), sliding windows with attention sinks and experts (gpt-oss), and layers that
+reuse other layers' KV (Gemma 3n). Every way a context travels gives back, at the lossless level,
+exactly what llama.cpp gives: a computation from the tokens, or where a window slides (gpt-oss,
+Gemma 3n), llama.cpp's own save and restore (which differs from a computation there by the order
+of its sums: the same state bytes, other cells)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cachegen as lcg
@@ -12,7 +18,13 @@ import numpy as np
 import pytest
 from llama_cachegen import chunks, codec, stream
 from llama_cachegen.cache import CompressedStateCache
-from llama_cachegen.llama import capture_state, load_compressed_state, model_rope, save_compressed_state
+from llama_cachegen.llama import (
+    capture_state,
+    load_compressed_state,
+    model_rope,
+    restore_state,
+    save_compressed_state,
+)
 from tiny_models import (
     LETTERS_ONLY,
     OTHER,
@@ -23,22 +35,37 @@ from tiny_models import (
     make,
     reference_logits,
     write_deepseek2_mla,
+    write_gemma3n,
+    write_gpt2,
+    write_gpt_oss,
     write_qwen2vl,
+    write_qwen3,
 )
 
-# (writer, K/V tensors per layer)
-ARCHITECTURES = {"deepseek2-mla": (write_deepseek2_mla, 1), "qwen2vl-mrope": (write_qwen2vl, 2)}
+
+@dataclass(frozen=True)
+class Arch:
+    write: Callable[[Path], Path]
+    tensors: int  # K/V tensors in the state
+    caches: int
+    rope: bool  # model_rope finds a per-head RoPE the encoder may undo
+    slides: bool = False  # a sliding window: compare with llama.cpp's own save and restore
+
+
+ARCHITECTURES = {
+    "deepseek2-mla": Arch(write_deepseek2_mla, 2, 1, False),  # the rotated channels end each row
+    "qwen2vl-mrope": Arch(write_qwen2vl, 4, 1, False),
+    "qwen3": Arch(write_qwen3, 4, 1, True),
+    "gpt2": Arch(write_gpt2, 4, 1, False),
+    "gpt-oss": Arch(write_gpt_oss, 8, 2, True, slides=True),
+    "gemma3n": Arch(write_gemma3n, 40, 2, True, slides=True),  # 20 of 25 layers hold their own KV
+}
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    write, _ = ARCHITECTURES[request.param]
-    return request.param, write(tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf")
-
-
-@pytest.fixture(scope="module")
-def reference(model: tuple[str, Path]) -> dict[str, np.ndarray]:
-    return reference_logits(model[1])
+    arch = ARCHITECTURES[request.param]
+    return request.param, arch.write(tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +75,30 @@ def source(model: tuple[str, Path]) -> lcg.Llama:
     return llm
 
 
+@pytest.fixture(scope="module")
+def reference(model: tuple[str, Path], source: lcg.Llama) -> dict[str, np.ndarray]:
+    if not ARCHITECTURES[model[0]].slides:
+        return reference_logits(model[1])
+    state, out = capture_state(source, None), {}
+    for name, tokens in (("all", TOKENS), ("other", TOKENS[:200] + OTHER)):
+        llm = make(model[1])
+        assert restore_state(llm, state, None)
+        llm.n_tokens = 200 // C * C if name == "other" else N
+        llm.eval(tokens[llm.n_tokens :])
+        out[name] = continuation(llm, len(tokens))
+    return out
+
+
 def test_the_layout_is_read(model: tuple[str, Path], source: lcg.Llama) -> None:
-    name, _ = model
+    arch = ARCHITECTURES[model[0]]
     info = codec.inspect_state(capture_state(source, None))
-    per_layer = ARCHITECTURES[name][1]
-    assert (info["tensors"], info["positions"], info["tail"]) == (2 * per_layer, (0, N), False)
-    # neither rotates the first channels of each head by one position per token
-    assert model_rope(source) is None
+    assert (info["tensors"], info["caches"], info["positions"], info["tail"]) == (
+        arch.tensors,
+        arch.caches,
+        (0, N),
+        False,
+    )
+    assert (model_rope(source) is not None) == arch.rope
 
 
 def test_whole_chunked_prefix_and_streamed_loads_are_exact(

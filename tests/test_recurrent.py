@@ -1,8 +1,8 @@
-"""Models with a recurrent state, on real llama.cpp: a hybrid (LFM2: short-convolution layers and
-attention layers) and a purely recurrent one (Mamba), tiny GGUFs with random weights
-(tiny_models.py). A recurrent state is of the last position only: the attention KV compresses
-and chunks as any other, the recurrent part travels verbatim with the whole context, and nothing
-ever pairs a prefix's KV with the state of a longer context."""
+"""Models with a recurrent state, on real llama.cpp: hybrids (LFM2: short-convolution layers and
+attention layers; Jamba: Mamba layers and attention layers) and a purely recurrent one (Mamba),
+tiny GGUFs with random weights (tiny_models.py). A recurrent state is of the last position only:
+the attention KV compresses and chunks as any other, the recurrent part travels verbatim with
+the whole context, and nothing ever pairs a prefix's KV with the state of a longer context."""
 
 from __future__ import annotations
 
@@ -34,14 +34,17 @@ from tiny_models import (
     continuation,
     make,
     reference_logits,
+    write_jamba,
     write_lfm2,
     write_mamba,
 )
 
 
-@pytest.fixture(scope="module")
-def lfm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_lfm2(tmp_path_factory.mktemp("tiny") / "lfm2.gguf")
+@pytest.fixture(scope="module", params=["lfm2", "jamba"])
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """LFM2 (short convolutions) or Jamba (Mamba layers), two attention layers of four."""
+    write = write_lfm2 if request.param == "lfm2" else write_jamba
+    return write(tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +53,13 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(lfm2: Path) -> dict[str, np.ndarray]:
-    return reference_logits(lfm2)
+def reference(hybrid: Path) -> dict[str, np.ndarray]:
+    return reference_logits(hybrid)
 
 
 @pytest.fixture(scope="module")
-def source(lfm2: Path) -> lcg.Llama:
-    llm = make(lfm2)
+def source(hybrid: Path) -> lcg.Llama:
+    llm = make(hybrid)
     llm.eval(TOKENS)
     return llm
 
@@ -70,7 +73,7 @@ def test_a_hybrid_state_is_its_attention_kv_plus_a_verbatim_tail(source: lcg.Lla
 
 @pytest.mark.parametrize("level", ["lossless", "balanced"])
 def test_hybrid_whole_and_chunked_round_trips(
-    tmp_path: Path, lfm2: Path, source: lcg.Llama, reference: dict[str, np.ndarray], level: str
+    tmp_path: Path, hybrid: Path, source: lcg.Llama, reference: dict[str, np.ndarray], level: str
 ) -> None:
     save_compressed_state(source, tmp_path / "ctx.lcg", level=level)
     chunks.save_chunked(source, f"file://{tmp_path}/store/ctx", levels=(level,), chunk_tokens=C)
@@ -78,7 +81,7 @@ def test_hybrid_whole_and_chunked_round_trips(
         lambda llm: load_compressed_state(llm, tmp_path / "ctx.lcg"),
         lambda llm: chunks.load_chunked(llm, f"file://{tmp_path}/store/ctx"),
     ):
-        llm = make(lfm2)
+        llm = make(hybrid)
         load(llm)
         got = continuation(llm, N)
         if level == "lossless":
@@ -88,10 +91,10 @@ def test_hybrid_whole_and_chunked_round_trips(
 
 
 def test_a_hybrid_prefix_is_refused_never_paired_with_the_longer_state(
-    tmp_path: Path, lfm2: Path, source: lcg.Llama, reference: dict[str, np.ndarray]
+    tmp_path: Path, hybrid: Path, source: lcg.Llama, reference: dict[str, np.ndarray]
 ) -> None:
     chunks.save_chunked(source, f"file://{tmp_path}/ctx", levels=("lossless",), chunk_tokens=C)
-    llm = make(lfm2)
+    llm = make(hybrid)
     with pytest.raises(UnsupportedFormatError, match="recurrent part"):
         chunks.load_prefix(llm, f"file://{tmp_path}", TOKENS[:200] + OTHER, chunk_tokens=C)
     assert llm.n_tokens == 0
@@ -102,7 +105,7 @@ def test_a_hybrid_prefix_is_refused_never_paired_with_the_longer_state(
 
 
 def test_a_hybrid_stream_computes_from_the_first_token_after_a_failed_chunk(
-    tmp_path: Path, lfm2: Path, source: lcg.Llama, reference: dict[str, np.ndarray]
+    tmp_path: Path, hybrid: Path, source: lcg.Llama, reference: dict[str, np.ndarray]
 ) -> None:
     """Chunks 0-1 arrive, chunk 2 is damaged (fails twice): what is not in the buffer is computed
     from text. A recurrent state cannot be restored for a prefix, so llama.cpp computes from
@@ -114,21 +117,21 @@ def test_a_hybrid_stream_computes_from_the_first_token_after_a_failed_chunk(
     data = bytearray(obj.read_bytes())
     data[len(data) // 2] ^= 0x40
     obj.write_bytes(bytes(data))
-    llm = make(lfm2)
+    llm = make(hybrid)
     report = stream.load_streaming(llm, url)
     assert report.text_chunks[0] == 2 and report.fallback
     np.testing.assert_array_equal(continuation(llm, N), reference["all"])
 
 
 def test_the_prompt_cache_of_a_hybrid_stores_nothing_and_never_deletes_saved_chunks(
-    tmp_path: Path, lfm2: Path, source: lcg.Llama
+    tmp_path: Path, hybrid: Path, source: lcg.Llama
 ) -> None:
     store = f"file://{tmp_path}"
     chunks.save_chunked(source, f"{store}/ctx", levels=("balanced",), chunk_tokens=C)
     saved = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
     texts = []
     for _ in range(2):  # a fresh context each time: llama-cpp-python cannot cut a recurrent state back
-        llm = make(lfm2)
+        llm = make(hybrid)
         cache = CompressedStateCache(store, chunk_tokens=C, level="balanced")
         llm.set_cache(cache)
         out = llm.create_completion(TOKENS[:200], max_tokens=4, temperature=0.0, logit_bias=LETTERS_ONLY)
@@ -166,7 +169,7 @@ def test_llama_server_sharing_refuses_a_hybrid_slot_and_says_why(tmp_path: Path,
     assert not (tmp_path / "store").exists()
 
 
-def test_cli_eval_names_what_it_could_not_measure(lfm2: Path, mamba: Path) -> None:
+def test_cli_eval_names_what_it_could_not_measure(hybrid: Path, mamba: Path) -> None:
     args = ("--tokens", "100", "--cont", "16", "--threads", "1")
     out = subprocess.run(
         [sys.executable, "-m", "llama_cachegen", "eval", "--model", str(mamba), *args],
@@ -177,7 +180,7 @@ def test_cli_eval_names_what_it_could_not_measure(lfm2: Path, mamba: Path) -> No
     assert out.returncode != 0 and "mamba is a recurrent model" in out.stderr
     assert "Traceback" not in out.stderr
     out = subprocess.run(
-        [sys.executable, "-m", "llama_cachegen", "eval", "--model", str(lfm2), *args, "--json"],
+        [sys.executable, "-m", "llama_cachegen", "eval", "--model", str(hybrid), *args, "--json"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -192,7 +195,7 @@ def test_cli_eval_names_what_it_could_not_measure(lfm2: Path, mamba: Path) -> No
 )
 def test_a_hybrid_streamed_over_a_slow_link_mixes_text_and_chunks_exactly(
     http_server: tuple[str, Path],
-    lfm2: Path,
+    hybrid: Path,
     source: lcg.Llama,
     reference: dict[str, np.ndarray],
     rate: float,
@@ -202,10 +205,10 @@ def test_a_hybrid_streamed_over_a_slow_link_mixes_text_and_chunks_exactly(
     """A shaped link and a deadline: chunks computed from the front (racing fetches, some given up
     midway: a recurrent state is not cut back), fetched from the back, all exact at lossless."""
     base, _ = http_server
-    url = f"{base}/hybrid/ctx"
+    url = f"{base}/{hybrid.stem}-{rate:g}/ctx"
     chunks.save_chunked(source, url, levels=("lossless",), chunk_tokens=C)
     with Relay(url) as relay:
         relay.set_trace(Trace.constant(rate))
-        llm = make(lfm2)
+        llm = make(hybrid)
         stream.load_streaming(llm, f"{relay.url}", slo_s=slo_s, compute_tps=tps)
     np.testing.assert_array_equal(continuation(llm, N), reference["all"])

@@ -6,8 +6,13 @@ on them, never quality. Below the writers: the tokens, contexts and logits the t
 - `write_lfm2`: LFM2, a hybrid model: short-convolution layers (a recurrent state) and attention
   layers (a KV cache), in one state.
 - `write_mamba`: Mamba, a recurrent model: no KV cache at all.
+- `write_jamba`: Jamba, a hybrid of Mamba layers and attention layers without RoPE.
 - `write_deepseek2_mla`: multi-head latent attention: K rows only, no V.
 - `write_qwen2vl`: M-RoPE: KV cells with llama.cpp's 12-byte extension; Qwen's K bias.
+- `write_qwen3`: heads wider than n_embd / n_head, q/k norms.
+- `write_gpt2`: learned position embeddings, no RoPE, fused QKV.
+- `write_gpt_oss`: sliding-window layers, attention sinks, a mixture of experts.
+- `write_gemma3n`: sliding-window layers, and layers that reuse earlier layers' KV.
 """
 
 from __future__ import annotations
@@ -72,6 +77,59 @@ def _ffn(t: _Weights, i: int, n_embd: int, n_ff: int) -> None:
     t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
 
 
+def _attn(
+    t: _Weights,
+    i: int,
+    n_embd: int,
+    n_head: int,
+    n_kv: int,
+    head: int,
+    *,
+    bias: bool = False,
+    out_bias: bool = False,
+) -> None:
+    t.random(f"blk.{i}.attn_q.weight", n_embd, n_head * head)
+    t.random(f"blk.{i}.attn_k.weight", n_embd, n_kv * head)
+    t.random(f"blk.{i}.attn_v.weight", n_embd, n_kv * head)
+    t.random(f"blk.{i}.attn_output.weight", n_head * head, n_embd)
+    if bias:
+        t.random(f"blk.{i}.attn_q.bias", n_head * head)
+        t.random(f"blk.{i}.attn_k.bias", n_kv * head, scale=3.0)  # Qwen-like: large key offsets
+        t.random(f"blk.{i}.attn_v.bias", n_kv * head)
+    if out_bias:
+        t.random(f"blk.{i}.attn_output.bias", n_embd)
+
+
+def _layer_norm(t: _Weights, name: str, n: int) -> None:
+    t.ones(f"{name}.weight", n)
+    t.random(f"{name}.bias", n)
+
+
+def _mamba(t: _Weights, i: int, n_embd: int, d_state: int, d_conv: int, *, jamba: bool = False) -> None:
+    """A Mamba-1 block (llama.cpp supports an expansion of 2 only); Jamba's norms its dt, B, C."""
+    d_inner, dt_rank = 2 * n_embd, max(1, n_embd // 16)
+    t.random(f"blk.{i}.ssm_in.weight", n_embd, 2 * d_inner)
+    t.random(f"blk.{i}.ssm_conv1d.weight", d_conv, d_inner)
+    t.random(f"blk.{i}.ssm_conv1d.bias", d_inner)
+    t.random(f"blk.{i}.ssm_x.weight", d_inner, dt_rank + 2 * d_state)
+    t.random(f"blk.{i}.ssm_dt.weight", dt_rank, d_inner)
+    t.random(f"blk.{i}.ssm_dt.bias", d_inner)
+    if jamba:
+        t.ones(f"blk.{i}.ssm_dt_norm.weight", dt_rank)
+        t.ones(f"blk.{i}.ssm_b_norm.weight", d_state)
+        t.ones(f"blk.{i}.ssm_c_norm.weight", d_state)
+    t.w.add_tensor(f"blk.{i}.ssm_a", -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1)))
+    t.ones(f"blk.{i}.ssm_d", d_inner)
+    t.random(f"blk.{i}.ssm_out.weight", d_inner, n_embd)
+
+
+def _ssm_sizes(w: gguf.GGUFWriter, n_embd: int, d_state: int, d_conv: int) -> None:
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(2 * n_embd)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(max(1, n_embd // 16))
+
+
 def _finish(w: gguf.GGUFWriter) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -99,10 +157,7 @@ def write_lfm2(
         if kv:
             t.ones(f"blk.{i}.attn_q_norm.weight", head)
             t.ones(f"blk.{i}.attn_k_norm.weight", head)
-            t.random(f"blk.{i}.attn_q.weight", n_embd, n_embd)
-            t.random(f"blk.{i}.attn_k.weight", n_embd, kv * head)
-            t.random(f"blk.{i}.attn_v.weight", n_embd, kv * head)
-            t.random(f"blk.{i}.attn_output.weight", n_embd, n_embd)
+            _attn(t, i, n_embd, n_head, kv, head)
         else:
             t.random(f"blk.{i}.shortconv.conv.weight", l_cache, n_embd)
             t.random(f"blk.{i}.shortconv.in_proj.weight", n_embd, 3 * n_embd)
@@ -113,25 +168,35 @@ def write_lfm2(
 
 def write_mamba(path: Path, *, n_embd: int = 64, n_layer: int = 2, d_state: int = 8, d_conv: int = 4) -> Path:
     w, t = _begin(path, "mamba", n_embd, n_layer)
-    d_inner, dt_rank = 2 * n_embd, max(1, n_embd // 16)  # llama.cpp supports an expansion of 2 only
-    w.add_ssm_conv_kernel(d_conv)
-    w.add_ssm_inner_size(d_inner)
-    w.add_ssm_state_size(d_state)
-    w.add_ssm_time_step_rank(dt_rank)
+    _ssm_sizes(w, n_embd, d_state, d_conv)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_feed_forward_length(0)
     w.add_head_count(0)
     for i in range(n_layer):
         t.ones(f"blk.{i}.attn_norm.weight", n_embd)
-        t.random(f"blk.{i}.ssm_in.weight", n_embd, 2 * d_inner)
-        t.random(f"blk.{i}.ssm_conv1d.weight", d_conv, d_inner)
-        t.random(f"blk.{i}.ssm_conv1d.bias", d_inner)
-        t.random(f"blk.{i}.ssm_x.weight", d_inner, dt_rank + 2 * d_state)
-        t.random(f"blk.{i}.ssm_dt.weight", dt_rank, d_inner)
-        t.random(f"blk.{i}.ssm_dt.bias", d_inner)
-        w.add_tensor(f"blk.{i}.ssm_a", -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1)))
-        t.ones(f"blk.{i}.ssm_d", d_inner)
-        t.random(f"blk.{i}.ssm_out.weight", d_inner, n_embd)
+        _mamba(t, i, n_embd, d_state, d_conv)
+    _finish(w)
+    return path
+
+
+def write_jamba(
+    path: Path, *, n_embd: int = 64, n_head: int = 4, kv_heads: Sequence[int] = (0, 2, 0, 2), n_ff: int = 128
+) -> Path:
+    """Jamba with one layer per entry of `kv_heads`: 0 is a Mamba layer, else attention (no RoPE)."""
+    d_state, d_conv = 8, 4
+    w, t = _begin(path, "jamba", n_embd, len(kv_heads))
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(list(kv_heads))
+    _ssm_sizes(w, n_embd, d_state, d_conv)
+    w.add_layer_norm_rms_eps(1e-6)
+    for i, kv in enumerate(kv_heads):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        if kv:
+            _attn(t, i, n_embd, n_head, kv, n_embd // n_head)
+        else:
+            _mamba(t, i, n_embd, d_state, d_conv, jamba=True)
+        _ffn(t, i, n_embd, n_ff)
     _finish(w)
     return path
 
@@ -186,14 +251,126 @@ def write_qwen2vl(
     w.add_rope_dimension_sections([2, 3, 3, 0])  # pairs of the head's 16 channels per component
     for i in range(n_layer):
         t.ones(f"blk.{i}.attn_norm.weight", n_embd)
-        t.random(f"blk.{i}.attn_q.weight", n_embd, n_embd)
-        t.random(f"blk.{i}.attn_k.weight", n_embd, n_head_kv * head)
-        t.random(f"blk.{i}.attn_v.weight", n_embd, n_head_kv * head)
-        t.random(f"blk.{i}.attn_q.bias", n_embd)
-        t.random(f"blk.{i}.attn_k.bias", n_head_kv * head, scale=3.0)
-        t.random(f"blk.{i}.attn_v.bias", n_head_kv * head)
-        t.random(f"blk.{i}.attn_output.weight", n_embd, n_embd)
+        _attn(t, i, n_embd, n_head, n_head_kv, head, bias=True)
         _ffn(t, i, n_embd, 128)
+    _finish(w)
+    return path
+
+
+def write_qwen3(path: Path, *, n_embd: int = 64, n_head: int = 4, n_kv: int = 2, n_layer: int = 2) -> Path:
+    w, t = _begin(path, "qwen3", n_embd, n_layer)
+    head = 32  # wider than n_embd / n_head, as Qwen3's are
+    w.add_feed_forward_length(128)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    for i in range(n_layer):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        _attn(t, i, n_embd, n_head, n_kv, head)
+        t.random(f"blk.{i}.attn_q_norm.weight", head, scale=1.0)
+        t.random(f"blk.{i}.attn_k_norm.weight", head, scale=1.0)
+        _ffn(t, i, n_embd, 128)
+    _finish(w)
+    return path
+
+
+def write_gpt2(path: Path, *, n_embd: int = 64, n_head: int = 4, n_layer: int = 2, n_ff: int = 128) -> Path:
+    w, t = _begin(path, "gpt2", n_embd, n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_layer_norm_eps(1e-5)
+    t.random("position_embd.weight", n_embd, 4096, scale=1.0)
+    t.random("output_norm.bias", n_embd)
+    for i in range(n_layer):
+        _layer_norm(t, f"blk.{i}.attn_norm", n_embd)
+        t.random(f"blk.{i}.attn_qkv.weight", n_embd, 3 * n_embd)
+        t.random(f"blk.{i}.attn_qkv.bias", 3 * n_embd)
+        t.random(f"blk.{i}.attn_output.weight", n_embd, n_embd)
+        t.random(f"blk.{i}.attn_output.bias", n_embd)
+        _layer_norm(t, f"blk.{i}.ffn_norm", n_embd)
+        t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
+        t.random(f"blk.{i}.ffn_up.bias", n_ff)
+        t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
+        t.random(f"blk.{i}.ffn_down.bias", n_embd)
+    _finish(w)
+    return path
+
+
+def write_gpt_oss(path: Path, *, n_embd: int = 64, n_head: int = 4, n_kv: int = 2, n_layer: int = 4) -> Path:
+    """Every other layer slides a 128-token window; attention sinks; two experts, both used."""
+    w, t = _begin(path, "gpt-oss", n_embd, n_layer)
+    head, n_ff, n_expert = 16, 32, 2
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_rope_dimension_count(head)
+    w.add_rope_freq_base(150000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_sliding_window(128)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_expert)
+    w.add_expert_feed_forward_length(n_ff)
+    t.random("output.weight", n_embd, N_VOCAB)
+    for i in range(n_layer):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        t.ones(f"blk.{i}.post_attention_norm.weight", n_embd)
+        _attn(t, i, n_embd, n_head, n_kv, head, bias=True, out_bias=True)
+        t.random(f"blk.{i}.attn_sinks.weight", n_head, scale=1.0)
+        t.random(f"blk.{i}.ffn_gate_inp.weight", n_embd, n_expert)
+        t.random(f"blk.{i}.ffn_gate_inp.bias", n_expert)
+        for name in ("gate", "up"):
+            t.random(f"blk.{i}.ffn_{name}_exps.weight", n_embd, n_ff, n_expert)
+            t.random(f"blk.{i}.ffn_{name}_exps.bias", n_ff, n_expert)
+        t.random(f"blk.{i}.ffn_down_exps.weight", n_ff, n_embd, n_expert)
+        t.random(f"blk.{i}.ffn_down_exps.bias", n_embd, n_expert)
+    _finish(w)
+    return path
+
+
+def write_gemma3n(path: Path, *, n_embd: int = 64, n_head: int = 4, n_kv: int = 2, n_layer: int = 25) -> Path:
+    """Gemma 3n: llama.cpp fixes the layers with their own KV at the first 20, so layers 20.. reuse
+    layer 18's (sliding window) or 19's (global); four layers in five slide a 128-token window."""
+    w, t = _begin(path, "gemma3n", n_embd, n_layer)
+    head, n_ff, n_altup, laurel, per_layer = 16, 128, 4, 64, 256
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_rope_freq_base(1000000.0)
+    w.add_float32("gemma3n.rope.freq_base_swa", 10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(128)
+    w.add_uint32("gemma3n.embedding_length_per_layer_input", per_layer)
+    t.random("altup_proj.weight", n_embd, n_embd, n_altup - 1)
+    t.random("altup_unembd_proj.weight", n_embd, n_embd, n_altup - 1)
+    t.random("per_layer_token_embd.weight", per_layer * n_layer, N_VOCAB)
+    t.random("per_layer_model_proj.weight", n_embd, per_layer * n_layer)
+    t.ones("per_layer_proj_norm.weight", per_layer)
+    for i in range(n_layer):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        _attn(t, i, n_embd, n_head, n_kv, head)
+        t.ones(f"blk.{i}.attn_q_norm.weight", head)
+        t.ones(f"blk.{i}.attn_k_norm.weight", head)
+        t.ones(f"blk.{i}.post_attention_norm.weight", n_embd)
+        _ffn(t, i, n_embd, n_ff)
+        t.ones(f"blk.{i}.post_ffw_norm.weight", n_embd)
+        t.random(f"blk.{i}.inp_gate.weight", n_embd, per_layer)
+        t.random(f"blk.{i}.proj.weight", per_layer, n_embd)
+        t.ones(f"blk.{i}.post_norm.weight", n_embd)
+        t.random(f"blk.{i}.altup_correct_coef.weight", n_altup, n_altup)
+        t.ones(f"blk.{i}.altup_correct_scale.weight", n_embd)
+        t.random(f"blk.{i}.altup_predict_coef.weight", n_altup, n_altup * n_altup)
+        t.random(f"blk.{i}.altup_router.weight", n_embd, n_altup)
+        t.ones(f"blk.{i}.altup_router_norm.weight", n_embd)
+        t.random(f"blk.{i}.laurel_l.weight", n_embd, laurel)
+        t.random(f"blk.{i}.laurel_r.weight", laurel, n_embd)
+        t.ones(f"blk.{i}.laurel_post_norm.weight", n_embd)
     _finish(w)
     return path
 
