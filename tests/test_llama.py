@@ -186,6 +186,14 @@ def test_other_kv_type_q8_0_is_refused(source_blob: bytes) -> None:
     )
 
 
+def test_other_kv_type_bf16_is_refused_by_name(source_blob: bytes) -> None:
+    llm = _llama(type_k=30, type_v=30)  # bf16: llama_cpp has no constant for it
+    llm.eval(llm.tokenize(b"Some other context."))
+    _assert_mismatch_leaves_context(
+        llm, source_blob, ModelMismatchError, "type_k: saved 'f16', this context 'bf16'"
+    )
+
+
 def test_too_small_n_ctx_is_refused(source_blob: bytes) -> None:
     llm = _llama(n_ctx=64)
     llm.eval(llm.tokenize(b"Tiny."))
