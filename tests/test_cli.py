@@ -94,6 +94,10 @@ def test_errors_are_reported_not_raised(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "inspect: error:" in proc.stderr and "Traceback" not in proc.stderr
     proc = _cli("decompress", tmp_path / "missing.lcg", tmp_path / "out", check=False)
     assert proc.returncode == 1 and "error:" in proc.stderr
+    stub = tmp_path / "stub"
+    stub.write_bytes(b"LCGM")  # a manifest's magic and nothing else
+    proc = _cli("inspect", stub, check=False)
+    assert proc.returncode == 1 and "a llama-cachegen manifest cut short: 4 bytes" in proc.stderr
 
 
 def test_decompress_says_what_a_non_container_is(slot_file: Path, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CacheGenError, CorruptDataError
+from .errors import CacheGenError, CorruptDataError, TruncatedDataError
 
 PREFIX = struct.Struct("<4sII")
 MANIFEST_MAGIC = b"LCGM"  # a chunked context's manifest (chunks.Manifest)
@@ -48,8 +48,12 @@ def unpack(
 ) -> tuple[dict[str, Any], int]:
     """The JSON header and the offset of the arrays after it. Another version raises
     `version_error`; anything else malformed, CorruptDataError."""
-    if len(data) < PREFIX.size or data[:4] != magic:
+    if data[:4] != magic:
         raise CorruptDataError(f"not a llama-cachegen {what} (magic {bytes(data[:4])!r})")
+    if len(data) < PREFIX.size:
+        raise TruncatedDataError(
+            f"a llama-cachegen {what} cut short: {len(data)} bytes, its prefix alone is {PREFIX.size}"
+        )
     _, found, size = PREFIX.unpack_from(data)
     if found != version:
         raise version_error(f"{what} version {found}; this release reads {version}")
