@@ -123,22 +123,35 @@ def test_a_hybrid_stream_computes_from_the_first_token_after_a_failed_chunk(
     np.testing.assert_array_equal(continuation(llm, N), reference["all"])
 
 
-def test_the_prompt_cache_of_a_hybrid_stores_nothing_and_never_deletes_saved_chunks(
+def test_the_prompt_cache_of_a_hybrid_serves_whole_contexts_that_start_the_prompt(
     tmp_path: Path, hybrid: Path, source: lcg.Llama
 ) -> None:
+    """No prefix can be cut from a hybrid's state: the cache stores whole contexts and serves the
+    longest whose tokens all start the prompt; chunks that save_chunked stored beside them stay."""
     store = f"file://{tmp_path}"
     chunks.save_chunked(source, f"{store}/ctx", levels=("balanced",), chunk_tokens=C)
-    saved = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
-    texts = []
-    for _ in range(2):  # a fresh context each time: llama-cpp-python cannot cut a recurrent state back
-        llm = make(hybrid)
-        cache = CompressedStateCache(store, chunk_tokens=C, level="balanced")
-        llm.set_cache(cache)
-        out = llm.create_completion(TOKENS[:200], max_tokens=4, temperature=0.0, logit_bias=LETTERS_ONLY)
-        texts.append(out["choices"][0]["text"])
-        assert (cache.hits, cache.misses) == (0, 1)
-    assert texts[0] == texts[1]
-    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == saved
+    saved = {p for p in tmp_path.rglob("*") if p.is_file()}
+
+    def complete(prompt: list[int], cached: bool) -> tuple[str, CompressedStateCache, lcg.Llama]:
+        llm = make(hybrid)  # a fresh context each time: llama-cpp-python cannot cut one back
+        cache = CompressedStateCache(store, chunk_tokens=C, level="lossless")
+        if cached:
+            llm.set_cache(cache)
+        out = llm.create_completion(prompt, max_tokens=4, temperature=0.0, logit_bias=LETTERS_ONLY)
+        return out["choices"][0]["text"], cache, llm
+
+    first, cache, llm = complete(TOKENS[:200], True)  # a miss that stores the context
+    assert (cache.hits, cache.misses) == (0, 1)
+    follow_up = [int(t) for t in llm.input_ids[: llm.n_tokens]] + OTHER[:20]
+    first_follow_up, cache, _ = complete(follow_up, True)
+    assert cache.hits == 1 and first_follow_up == complete(follow_up, False)[0]
+    assert complete(TOKENS[:150], True)[1].hits == 0  # a stored context longer than the prompt: no hit
+    snapshots = [p for p in tmp_path.rglob("*") if "snapshots" in p.parts and p.is_file()]
+    assert len(snapshots) >= 2 and saved <= {p for p in tmp_path.rglob("*") if p.is_file()}
+    (damaged,) = (p for p in snapshots if p.name.startswith(f"{llm.n_tokens}-"))  # what follow_up hit
+    damaged.write_bytes(damaged.read_bytes()[:-50])  # cut short: a miss, and it goes
+    text, cache, _ = complete(follow_up, True)
+    assert (cache.hits, cache.misses) == (0, 1) and not damaged.exists() and text == first_follow_up
 
 
 def test_a_recurrent_model_is_refused_with_a_clear_error(tmp_path: Path, mamba: Path) -> None:

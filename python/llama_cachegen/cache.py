@@ -13,6 +13,7 @@ the fingerprint, so different models or KV layouts never meet.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,12 @@ import numpy as np
 from llama_cpp.llama_cache import BaseLlamaCache
 
 from . import chunks, codec
-from .errors import CacheGenError, EntryNotFoundError, InvalidArgumentError
-from .llama import StateMeta, fingerprint_key, has_recurrent_state, model_fingerprint
+from .errors import CacheGenError, CorruptDataError, EntryNotFoundError, InvalidArgumentError
+from .llama import StateMeta, check_fingerprint, fingerprint_key, has_recurrent_state, model_fingerprint
 from .model import cache_dir
 from .stores import Store, open_store
+
+SNAPSHOTS = f"{chunks.PREFIX}snapshots/"  # whole contexts of models with a recurrent state
 
 
 class _CachedState(llama_cpp.llama.LlamaState):
@@ -51,8 +54,10 @@ class CompressedStateCache(BaseLlamaCache):
     removed and counts as a miss.
 
     A recurrent or hybrid model's state holds the recurrent state of its last position only, so no
-    prefix can be cut from it: such a cache stores nothing and always misses (its chunks saved by
-    `save_chunked` into the same store are left alone).
+    prefix can be cut from it: for such a model the cache stores whole contexts instead, one
+    container each (`lcg3/snapshots/<fingerprint key>/<tokens>-<hash of the tokens>`), and a hit is
+    the longest one whose tokens all start the prompt (found by listing them, longest first). A
+    purely recurrent model has no KV cache: its cache stores nothing and always misses.
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class CompressedStateCache(BaseLlamaCache):
         self._fingerprint: dict[str, Any] | None = None
         self._n_ctx: int | None = None
         self._recurrent = False
+        self._no_kv = False
         if model is not None:
             self.bind(model)
 
@@ -86,6 +92,7 @@ class CompressedStateCache(BaseLlamaCache):
         self.namespace = fingerprint_key(self._fingerprint)
         self._n_ctx = len(llm.input_ids)
         self._recurrent = has_recurrent_state(llm)
+        self._no_kv = bool(llama_cpp.llama_model_is_recurrent(llm.model))  # nothing this library codes
 
     def _bound(self) -> dict[str, Any]:
         if self._fingerprint is None:
@@ -100,13 +107,35 @@ class CompressedStateCache(BaseLlamaCache):
         pending = sum(info.size for info in self.store.temporaries(chunks.PREFIX))
         return pending + sum(info.size for info in self.store.list(chunks.PREFIX))
 
+    def _snapshot_key(self, tokens: np.ndarray) -> str:
+        digest = hashlib.sha256(self.namespace.encode() + tokens.astype("<i4").tobytes()).hexdigest()
+        return f"{SNAPSHOTS}{self.namespace}/{tokens.size}-{digest[:32]}"
+
+    def _match_snapshot(self, tokens: np.ndarray) -> chunks.PrefixMatch:
+        """The longest stored whole context whose tokens start `tokens` and leave some to evaluate
+        (llama-cpp-python evaluates a prompt's last token again, which a recurrent state cannot be
+        cut back for), as one "chunk"."""
+        room = tokens.size if self._n_ctx is None else min(tokens.size, self._n_ctx)
+        stored = []
+        for info in self.store.list(f"{SNAPSHOTS}{self.namespace}/"):
+            n, _, _ = info.key.rpartition("/")[2].partition("-")
+            if n.isdigit() and 0 < int(n) < room:
+                stored.append((int(n), info.key))
+        for n, key in sorted(stored, reverse=True):
+            if self._snapshot_key(tokens[:n]) == key:
+                return chunks.PrefixMatch(self.chunk_tokens, 1, n, [key], [(self.level,)])
+        return chunks.PrefixMatch(self.chunk_tokens, 0, 0, [], [])
+
     def _match(self, key: Sequence[int]) -> chunks.PrefixMatch:
-        """The stored complete chunks at this cache's level that start `key`."""
+        """The stored complete chunks at this cache's level that start `key` (recurrent state: the
+        stored whole context)."""
         tokens = np.asarray(key, dtype=np.intc)
         c = self.chunk_tokens
-        if self._recurrent:
-            self._bound()
+        self._bound()
+        if self._no_kv:
             return chunks.PrefixMatch(c, 0, 0, [], [])
+        if self._recurrent:
+            return self._match_snapshot(tokens)
         room = tokens.size if self._n_ctx is None else min(tokens.size, self._n_ctx)
         match = chunks._match(self.store, self._bound(), tokens[: room // c * c], c)
         match.chunks = next((i for i, lv in enumerate(match.levels) if self.level not in lv), match.chunks)
@@ -128,15 +157,21 @@ class CompressedStateCache(BaseLlamaCache):
             self.misses += 1
             raise KeyError("no cached prefix")
         prefix = np.asarray(key[: match.positions], dtype=np.intc)
-        reader = chunks._ChunkReader(
-            self.store, fingerprint, prefix, self.chunk_tokens, match.keys, [(self.level,)] * match.chunks
-        )
         # everything is checked and decoded here: llama-cpp-python overwrites its token list before
         # it hands the state to llama.cpp
         try:
-            state, skeleton, _ = chunks._assemble(reader, None, self.threads)
-            if codec.inspect(skeleton)["kind"] != "full_buffer":
-                raise InvalidArgumentError("the chunks' skeleton is not a whole-context state")
+            if self._recurrent:
+                state, used = self._read_snapshot(match.keys[0], prefix, fingerprint), [match.keys[0]]
+            else:
+                levels = [(self.level,)] * match.chunks
+                c = self.chunk_tokens
+                reader = chunks._ChunkReader(self.store, fingerprint, prefix, c, match.keys, levels)
+                state, skeleton, _ = chunks._assemble(reader, None, self.threads)
+                if codec.inspect(skeleton)["kind"] != "full_buffer":
+                    raise InvalidArgumentError("the chunks' skeleton is not a whole-context state")
+                used = [chunks._chunk_key(k, self.level) for k in match.keys]
+                used += [chunks._stats_key(i) for i in reader.stats_ids]
+                used.append(chunks._skeleton_key(chunks._sha256(skeleton)))
         except EntryNotFoundError:  # evicted by another process since the lookup: gone for good
             self._drop(match)
             self.misses += 1
@@ -145,9 +180,6 @@ class CompressedStateCache(BaseLlamaCache):
             self._drop(match)
             self.misses += 1
             raise KeyError(f"unusable cached prefix: {exc}") from exc
-        used = [chunks._chunk_key(k, self.level) for k in match.keys]
-        used += [chunks._stats_key(i) for i in reader.stats_ids]
-        used.append(chunks._skeleton_key(chunks._sha256(skeleton)))
         for key_used in used:  # the LRU clock of everything the hit needed
             self.store.touch(key_used)
         self.hits += 1
@@ -165,9 +197,20 @@ class CompressedStateCache(BaseLlamaCache):
             seed=0,
         )
 
+    def _read_snapshot(self, key: str, tokens: np.ndarray, fingerprint: dict[str, Any]) -> np.ndarray:
+        """A stored whole context, checked (its tokens, the fingerprint) and decoded."""
+        blob = self.store.get(key)
+        meta = StateMeta.unpack(codec.user_meta(blob))
+        check_fingerprint(meta.fingerprint, fingerprint)
+        if not np.array_equal(meta.tokens, tokens) or codec.inspect(blob)["kind"] != "full_buffer":
+            raise CorruptDataError(f"{key} holds another context")
+        state = codec.empty_buffer(codec.decoded_size(blob))
+        codec.decode_into(blob, state, threads=self.threads)
+        return state
+
     def _drop(self, match: chunks.PrefixMatch) -> None:
         for k in match.keys:
-            self.store.delete(chunks._chunk_key(k, self.level))
+            self.store.delete(k if self._recurrent else chunks._chunk_key(k, self.level))
 
     def _discard(self, match: chunks.PrefixMatch) -> None:
         """A prefix llama.cpp refused after all (see llama_cachegen.Llama.load_state): a miss."""
@@ -178,8 +221,13 @@ class CompressedStateCache(BaseLlamaCache):
     def __setitem__(self, key: Sequence[int], value: llama_cpp.llama.LlamaState) -> None:
         fingerprint = self._bound()
         n = int(value.n_tokens)
-        if n < self.chunk_tokens or self._recurrent:
-            return  # no complete chunk, or no prefix that could be cut from the state
+        if self._no_kv:
+            return
+        if self._recurrent:
+            self._put_snapshot(value, fingerprint)
+            return
+        if n < self.chunk_tokens:
+            return  # no complete chunk
         state = bytes(value.llama_state[: value.llama_state_size])
         info = codec.inspect_state(state, "full_buffer")
         if not info["chunkable"] or info["positions"] != (0, n):
@@ -203,6 +251,19 @@ class CompressedStateCache(BaseLlamaCache):
             uploads.finish()
         finally:
             uploads.close()
+        self._evict()
+
+    def _put_snapshot(self, value: llama_cpp.llama.LlamaState, fingerprint: dict[str, Any]) -> None:
+        """The whole context, one container, unless stored already."""
+        n = int(value.n_tokens)
+        tokens = np.asarray(value.input_ids[:n], np.intc)
+        key = self._snapshot_key(tokens)
+        if n == 0 or self.store.exists(key):
+            return
+        meta = StateMeta(fingerprint, "all", None, len(value.input_ids), tokens).pack()
+        state = bytes(value.llama_state[: value.llama_state_size])
+        blob = codec.encode(state, self.level, kind="full_buffer", threads=self.threads, user_meta=meta)
+        self.store.put(key, blob)
         self._evict()
 
     def _evict(self) -> None:
