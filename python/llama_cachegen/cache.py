@@ -13,7 +13,6 @@ the fingerprint, so different models or KV layouts never meet.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,14 @@ from llama_cpp.llama_cache import BaseLlamaCache
 
 from . import chunks, codec
 from .errors import CacheGenError, CorruptDataError, EntryNotFoundError, InvalidArgumentError
-from .llama import StateMeta, check_fingerprint, fingerprint_key, has_recurrent_state, model_fingerprint
+from .llama import (
+    StateMeta,
+    check_fingerprint,
+    fingerprint_key,
+    has_kv_cache,
+    has_recurrent_state,
+    model_fingerprint,
+)
 from .model import cache_dir
 from .stores import Store, open_store
 
@@ -92,7 +98,7 @@ class CompressedStateCache(BaseLlamaCache):
         self.namespace = fingerprint_key(self._fingerprint)
         self._n_ctx = len(llm.input_ids)
         self._recurrent = has_recurrent_state(llm)
-        self._no_kv = bool(llama_cpp.llama_model_is_recurrent(llm.model))  # nothing this library codes
+        self._no_kv = not has_kv_cache(llm)  # nothing this library codes
 
     def _bound(self) -> dict[str, Any]:
         if self._fingerprint is None:
@@ -108,7 +114,7 @@ class CompressedStateCache(BaseLlamaCache):
         return pending + sum(info.size for info in self.store.list(chunks.PREFIX))
 
     def _snapshot_key(self, tokens: np.ndarray) -> str:
-        digest = hashlib.sha256(self.namespace.encode() + tokens.astype("<i4").tobytes()).hexdigest()
+        digest = chunks._sha256(self.namespace.encode() + tokens.astype("<i4").tobytes())
         return f"{SNAPSHOTS}{self.namespace}/{tokens.size}-{digest[:32]}"
 
     def _match_snapshot(self, tokens: np.ndarray) -> chunks.PrefixMatch:
@@ -131,13 +137,13 @@ class CompressedStateCache(BaseLlamaCache):
         stored whole context)."""
         tokens = np.asarray(key, dtype=np.intc)
         c = self.chunk_tokens
-        self._bound()
+        fingerprint = self._bound()
         if self._no_kv:
             return chunks.PrefixMatch(c, 0, 0, [], [])
         if self._recurrent:
             return self._match_snapshot(tokens)
         room = tokens.size if self._n_ctx is None else min(tokens.size, self._n_ctx)
-        match = chunks._match(self.store, self._bound(), tokens[: room // c * c], c)
+        match = chunks._match(self.store, fingerprint, tokens[: room // c * c], c)
         match.chunks = next((i for i, lv in enumerate(match.levels) if self.level not in lv), match.chunks)
         del match.keys[match.chunks :], match.levels[match.chunks :]
         match.positions = match.chunks * c

@@ -329,9 +329,14 @@ def has_recurrent_state(llm: llama_cpp.Llama) -> bool:
     return bool(llama_cpp.llama_model_is_recurrent(llm.model) or llama_cpp.llama_model_is_hybrid(llm.model))
 
 
+def has_kv_cache(llm: llama_cpp.Llama) -> bool:
+    """False for a purely recurrent model (Mamba, RWKV): its state holds no KV cache."""
+    return not llama_cpp.llama_model_is_recurrent(llm.model)
+
+
 def require_kv_cache(llm: llama_cpp.Llama) -> None:
     """Refuses a purely recurrent model (UnsupportedFormatError): its state holds no KV cache."""
-    if llama_cpp.llama_model_is_recurrent(llm.model):
+    if not has_kv_cache(llm):
         arch = llm.metadata.get("general.architecture", "this model")
         raise UnsupportedFormatError(
             f"{arch} is a recurrent model: its state holds no KV cache, which is what llama-cachegen "
