@@ -149,7 +149,12 @@ def test_the_prompt_cache_of_a_hybrid_serves_whole_contexts_that_start_the_promp
     snapshots = [p for p in tmp_path.rglob("*") if "snapshots" in p.parts and p.is_file()]
     assert len(snapshots) >= 2 and saved <= {p for p in tmp_path.rglob("*") if p.is_file()}
     (damaged,) = (p for p in snapshots if p.name.startswith(f"{llm.n_tokens}-"))  # what follow_up hit
-    damaged.write_bytes(damaged.read_bytes()[:-50])  # cut short: a miss, and it goes
+    other = next(p for p in snapshots if p != damaged)
+    good = damaged.read_bytes()
+    damaged.write_bytes(other.read_bytes())  # another context filed under this one's name
+    text, cache, _ = complete(follow_up, True)
+    assert (cache.hits, cache.misses) == (0, 1) and not damaged.exists() and text == first_follow_up
+    damaged.write_bytes(good[:-50])  # cut short: a miss, and it goes
     text, cache, _ = complete(follow_up, True)
     assert (cache.hits, cache.misses) == (0, 1) and not damaged.exists() and text == first_follow_up
 
