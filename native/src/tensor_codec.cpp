@@ -422,6 +422,16 @@ void sort_escapes(const TensorDesc & t, std::vector<std::pair<uint64_t, int64_t>
     esc.swap(sorted);
 }
 
+// Copies n rows of gn bytes from src (packed) to dst (rows `stride` apart); GN: gn as a constant
+// (0: not one).
+template <uint32_t GN>
+void copy_rows(const uint8_t * src, size_t n, uint32_t gn, uint8_t * dst, size_t stride) {
+    const uint32_t size = GN ? GN : gn;
+    for (size_t i = 0; i < n; i++) {
+        std::memcpy(dst + i * stride, src + i * size, size);
+    }
+}
+
 // Quantizes the whole tensor, group by group; false when a value is not finite. The step of a
 // group is rel x its RMS channel deviation: one step for the group, because equal error in every
 // channel minimizes the group's squared error for its bits (measured: less KL at the same size).
@@ -586,8 +596,11 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
                 }
             }
         } else {
-            for (size_t i = 0; i < n; i++) {
-                std::memcpy(&e.sym[i * t.n_units + u0], &gsym[i * gn], gn);
+            switch (gn) {  // a constant size: a move per row, not a call (4% of an encode)
+                case 8: copy_rows<8>(gsym.data(), n, gn, &e.sym[u0], t.n_units); break;
+                case 16: copy_rows<16>(gsym.data(), n, gn, &e.sym[u0], t.n_units); break;
+                case 32: copy_rows<32>(gsym.data(), n, gn, &e.sym[u0], t.n_units); break;
+                default: copy_rows<0>(gsym.data(), n, gn, &e.sym[u0], t.n_units); break;
             }
         }
         if (gi == 0) {  // room for as many escapes in every group as in the first, and a quarter more
