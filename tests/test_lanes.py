@@ -116,15 +116,20 @@ def test_round_trip_and_threads(name: str) -> None:
 
 def _assembled(chunker: lcg.codec.Chunker, state: bytes, cells: int, size: int) -> bytearray:
     """The state rebuilt from its skeleton and the chunker's chunks of `size` positions, decoded
-    last first (any order works)."""
+    last first (any order works), one call each; and the same from one `decode_chunks` call."""
     stats = chunker.stats()
     stats_id = hashlib.sha256(stats).digest()
     opened = lcg.codec.Stats(stats, stats_id)
-    out = lcg.codec.skeleton_state(lcg.codec.encode_skeleton(state), cells)
+    skeleton = lcg.codec.encode_skeleton(state)
+    out = lcg.codec.skeleton_state(skeleton, cells)
     assert len(out) == len(state)
     bounds = [*range(0, cells, size), cells]
-    for begin, end in reversed(list(zip(bounds, bounds[1:], strict=False))):
-        lcg.codec.decode_chunk(chunker.chunk(begin, end, stats_id), opened, out)
+    chunks = [chunker.chunk(begin, end, stats_id) for begin, end in zip(bounds, bounds[1:], strict=False)]
+    for chunk in reversed(chunks):
+        lcg.codec.decode_chunk(chunk, opened, out)
+    batched = lcg.codec.skeleton_state(skeleton, cells)
+    lcg.codec.decode_chunks(chunks, opened, batched, threads=2)
+    assert batched == out
     return out
 
 
@@ -215,3 +220,31 @@ def test_prefix_states_and_splice() -> None:
         lcg.codec.decode_chunk(chunker.chunk(0, 100, sid), lcg.codec.Stats(stats, bytes(32)), rebuilt)
     with pytest.raises(lcg.InvalidArgumentError):
         lcg.codec.decode_chunk(chunker.chunk(100, 200, sid), opened, rebuilt)  # past the prefix
+
+
+def test_decode_chunks_checks_every_chunk_before_writing() -> None:
+    state = _state(300, 64, True, "outliers")
+    skeleton = lcg.codec.encode_skeleton(state)
+    chunker = lcg.codec.Chunker(state, "balanced")
+    stats = chunker.stats()
+    sid = hashlib.sha256(stats).digest()
+    opened = lcg.codec.Stats(stats, sid)
+    good = [chunker.chunk(0, 100, sid), chunker.chunk(100, 200, sid)]
+    out = lcg.codec.skeleton_state(skeleton, 300)
+    before = bytes(out)
+    damaged = bytearray(chunker.chunk(200, 300, sid))
+    damaged[-1] ^= 1
+    other = lcg.codec.Chunker(state, "compact")
+    other_stats = other.stats()
+    for bad, error in [
+        (bytes(damaged), lcg.CorruptDataError),  # a checksum
+        (other.chunk(200, 300, hashlib.sha256(other_stats).digest()), lcg.CorruptDataError),  # other statistics
+        (chunker.chunk(200, 300, sid)[:100], lcg.TruncatedDataError),
+    ]:
+        with pytest.raises(error):
+            lcg.codec.decode_chunks([*good, bad], opened, out)
+        assert out == before  # the good chunks before it were not written either
+    lcg.codec.decode_chunks([], opened, out)
+    assert out == before
+    lcg.codec.decode_chunks([*good, chunker.chunk(200, 300, sid)], opened, out)
+    assert out == lcg.decode(lcg.encode(state, "balanced"))

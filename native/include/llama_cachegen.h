@@ -279,6 +279,13 @@ LCG_API void lcg_stats_free(lcg_stats * stats);
 LCG_API int lcg_decode_chunk(const void * chunk, size_t chunk_size, const lcg_stats * stats, int32_t n_threads,
                              void * state, size_t state_size);
 
+/* Decodes n_chunks chunks, all naming `stats`, as lcg_decode_chunk does each, tensor by tensor
+ * across them: a tensor's decode tables are read into cache once for all of them instead of once
+ * per chunk (the tables of a layer can outweigh a short chunk's rows). Every chunk is checked before
+ * any is written; chunks covering the same positions are written in list order. */
+LCG_API int lcg_decode_chunks(const void * const * chunks, const size_t * chunk_sizes, size_t n_chunks,
+                              const lcg_stats * stats, int32_t n_threads, void * state, size_t state_size);
+
 /* Copies the K/V rows of positions [pos_begin, pos_end) from `src` (a llama.cpp state of the same
  * layout holding those positions, e.g. what llama.cpp computed for a chunk sent as text) into
  * `state`. */

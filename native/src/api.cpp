@@ -353,6 +353,17 @@ int lcg_decode_chunk(const void * chunk, size_t chunk_size, const lcg_stats * st
     });
 }
 
+int lcg_decode_chunks(const void * const * chunks, const size_t * chunk_sizes, size_t n_chunks,
+                      const lcg_stats * stats, int32_t n_threads, void * state, size_t state_size) {
+    return guarded([&] {
+        LCG_CHECK((chunks != nullptr && chunk_sizes != nullptr) || n_chunks == 0, LCG_ERR_INVALID_ARGUMENT,
+                  "NULL chunk list");
+        LCG_CHECK(stats != nullptr && state != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        decode_chunks(reinterpret_cast<const uint8_t * const *>(chunks), chunk_sizes, n_chunks, *stats->impl,
+                      n_threads, static_cast<uint8_t *>(state), state_size);
+    });
+}
+
 int lcg_splice(void * state, size_t state_size, const void * src, size_t src_size, uint32_t pos_begin,
                uint32_t pos_end) {
     return guarded([&] {

@@ -554,29 +554,32 @@ std::unique_ptr<Stats> open_stats(const uint8_t * data, size_t size, const uint8
     return st;
 }
 
-void decode_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads, uint8_t * state,
-                  size_t state_size) {
-    HostSink sink(state);
-    decode_chunk_to(chunk, chunk_size, stats, n_threads, state, state_size, sink);
-}
+namespace {
 
-void decode_chunk_to(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads,
-                     const uint8_t * state, size_t state_size, DecodeSink & sink) {
-    const ContainerView c = read_part(chunk, chunk_size, LCG_PART_CHUNK, "a chunk");
+// A chunk checked against its statistics and a state's layout, ready to decode tensor by tensor.
+struct ChunkPlan {
+    ContainerView c;
+    Layout L;
+    std::vector<const lcg_section *> rows_sec;   // per tensor (pointers into c.sections)
+    std::vector<std::vector<uint32_t>> rows;     // per cell group: object row -> state cell
+};
+
+// Fills `p` (in place: rows_sec points into p.c) for a chunk into the state parsed as `st`.
+void plan_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats, const ParsedState & st,
+                const std::vector<std::vector<uint32_t>> & cell_of_pos, ChunkPlan & p) {
+    p.c = read_part(chunk, chunk_size, LCG_PART_CHUNK, "a chunk");
+    const ContainerView & c = p.c;
     for (const lcg_section & s : c.sections) {
         verify_section(c, s);
     }
-    const Layout L = read_layout(c);
+    p.L = read_layout(c);
+    const Layout & L = p.L;
     const Layout & SL = stats.layout;
     const lcg_section & ref = only_section(c, LCG_SECTION_STATS_REF, "statistics reference");
     LCG_CHECK(ref.size == STATS_ID_BYTES && std::memcmp(chunk + ref.offset, stats.id, STATS_ID_BYTES) == 0,
               LCG_ERR_CORRUPT, "the chunk was coded with other statistics than the ones given");
     LCG_CHECK(c.header.level == stats.level, LCG_ERR_CORRUPT, "chunk of level %d with statistics of level %d",
               c.header.level, stats.level);
-
-    // Any kind of state with the same memory layout: a chunk saved from llama-cpp-python loads into
-    // a llama-server slot file.
-    const ParsedState st = parse_state(state, state_size, LCG_KIND_AUTO);
     const uint32_t n_pos = chunkable_positions(st);
     const uint32_t p0 = c.header.pos_begin, p1 = c.header.pos_end;
     LCG_CHECK(p0 < p1 && p1 <= n_pos, LCG_ERR_INVALID_ARGUMENT,
@@ -590,14 +593,53 @@ void decode_chunk_to(const uint8_t * chunk, size_t chunk_size, const Stats & sta
         LCG_CHECK(L.tensors[i].n_cells == p1 - p0, LCG_ERR_CORRUPT,
                   "tensor %zu of the chunk holds %u cells for %u positions", i, L.tensors[i].n_cells, p1 - p0);
     }
-    const auto rows = rows_of(cell_of_position(st), p0, p1);
-    const auto rows_sec = tensor_sections(c, LCG_SECTION_TENSOR, L.tensors.size());
-    parallel_for(L.tensors.size(), n_threads, [&](size_t i) {
-        ByteReader r = c.section_reader(*rows_sec[i], "tensor section");
-        const uint32_t g = st.tensors[i].cell_group;
-        sink.tensor(i, r, L.tensors[i], stats.tensors[i], st.tensors[i], rows[g], &st.groups[g].pos);
-        LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray bytes", i, r.remaining());
+    p.rows = rows_of(cell_of_pos, p0, p1);
+    p.rows_sec = tensor_sections(c, LCG_SECTION_TENSOR, L.tensors.size());
+}
+
+void decode_chunk_tensor(const ChunkPlan & p, size_t i, const Stats & stats, const ParsedState & st,
+                         DecodeSink & sink) {
+    ByteReader r = p.c.section_reader(*p.rows_sec[i], "tensor section");
+    const uint32_t g = st.tensors[i].cell_group;
+    sink.tensor(i, r, p.L.tensors[i], stats.tensors[i], st.tensors[i], p.rows[g], &st.groups[g].pos);
+    LCG_CHECK(r.remaining() == 0, LCG_ERR_CORRUPT, "tensor %zu: %zu stray bytes", i, r.remaining());
+}
+
+} // namespace
+
+void decode_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads, uint8_t * state,
+                  size_t state_size) {
+    decode_chunks(&chunk, &chunk_size, 1, stats, n_threads, state, state_size);
+}
+
+void decode_chunks(const uint8_t * const * chunks, const size_t * chunk_sizes, size_t n_chunks, const Stats & stats,
+                   int32_t n_threads, uint8_t * state, size_t state_size) {
+    HostSink sink(state);
+    // Any kind of state with the same memory layout: a chunk saved from llama-cpp-python loads into
+    // a llama-server slot file.
+    const ParsedState st = parse_state(state, state_size, LCG_KIND_AUTO);
+    const auto cell_of_pos = cell_of_position(st);
+    std::vector<ChunkPlan> plans(n_chunks);  // every chunk checked before any is written
+    for (size_t k = 0; k < n_chunks; k++) {
+        LCG_CHECK(chunks[k] != nullptr, LCG_ERR_INVALID_ARGUMENT, "chunk %zu is NULL", k);
+        plan_chunk(chunks[k], chunk_sizes[k], stats, st, cell_of_pos, plans[k]);
+    }
+    // Tensor by tensor across the chunks: a tensor's decode tables (384 KB for a SmolLM2 layer's K
+    // at 2,048 tokens, MBs for a 7B model's) are read into cache once for all the chunks, not once
+    // per chunk, as they are when chunks are decoded one by one.
+    parallel_for(st.tensors.size(), n_threads, [&](size_t i) {
+        for (const ChunkPlan & p : plans) {
+            decode_chunk_tensor(p, i, stats, st, sink);
+        }
     });
+}
+
+void decode_chunk_to(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads,
+                     const uint8_t * state, size_t state_size, DecodeSink & sink) {
+    const ParsedState st = parse_state(state, state_size, LCG_KIND_AUTO);
+    ChunkPlan p;
+    plan_chunk(chunk, chunk_size, stats, st, cell_of_position(st), p);
+    parallel_for(st.tensors.size(), n_threads, [&](size_t i) { decode_chunk_tensor(p, i, stats, st, sink); });
 }
 
 void splice(uint8_t * state, size_t state_size, const uint8_t * src, size_t src_size, uint32_t pos_begin,

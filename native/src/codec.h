@@ -91,6 +91,10 @@ struct Stats {
 std::unique_ptr<Stats> open_stats(const uint8_t * data, size_t size, const uint8_t * id, int32_t n_threads);
 void decode_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads, uint8_t * state,
                   size_t state_size);
+// Several chunks of one statistics object at once, tensor by tensor across them; all are checked
+// before any is written.
+void decode_chunks(const uint8_t * const * chunks, const size_t * chunk_sizes, size_t n_chunks, const Stats & stats,
+                   int32_t n_threads, uint8_t * state, size_t state_size);
 // The same with the state's layout read from `state` (host bytes: only what is not K/V is read) and
 // the writes going to `sink`.
 void decode_chunk_to(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads,

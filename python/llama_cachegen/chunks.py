@@ -644,19 +644,21 @@ def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> in
 def _assemble(
     reader: _ChunkReader, skeleton_id: str | None, threads: int | None
 ) -> tuple[np.ndarray, bytes, dict[str, Any]]:
-    """Fetches and decodes every chunk into a state built from the skeleton; fetching chunk i+1
-    overlaps decoding chunk i (the native decode releases the GIL). With `skeleton_id` None the
-    skeleton named by the last chunk is used, so that chunk is fetched first.
+    """Fetches and decodes every chunk into a state built from the skeleton. The fetches run one
+    after another on a thread of their own, ahead of the decodes, and each decode takes every chunk
+    that has arrived by then (the native decode releases the GIL): `codec.decode_chunks` reads a
+    tensor's decode tables once for all of them. With `skeleton_id` None the skeleton named by the
+    last chunk is used, so that chunk is fetched first.
 
     Returns the state, the skeleton and timing/level figures.
     """
     n_chunks = len(reader.keys)
     order = list(range(n_chunks))
-    first: _Fetched | None = None
+    ready: deque[_Fetched] = deque()  # fetched, not decoded, in order
     if skeleton_id is None:
         order = [n_chunks - 1, *range(n_chunks - 1)]
-        first = reader.fetch(order[0])
-        skeleton_id = first.meta.skeleton_id
+        ready.append(reader.fetch(order[0]))
+        skeleton_id = ready[0].meta.skeleton_id
     skeleton = reader.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton")
     n_pos = len(reader.tokens)
     bound = _state_bound(reader.fingerprint, n_pos, skeleton)
@@ -664,23 +666,25 @@ def _assemble(
     levels: dict[str, int] = {}
     fetch_s = decode_s = 0.0
     with ThreadPoolExecutor(1, thread_name_prefix="lcg-fetch") as pool:
-        upcoming = None if first else pool.submit(reader.fetch, order[0])
+        fetches = deque(pool.submit(reader.fetch, i) for i in order[len(ready) :])
         try:
-            for k in range(n_chunks):
-                if first is not None:
-                    got, first = first, None
-                else:
-                    assert upcoming is not None
-                    got = upcoming.result()
-                upcoming = pool.submit(reader.fetch, order[k + 1]) if k + 1 < n_chunks else None
+            while ready or fetches:
+                if not ready:
+                    ready.append(fetches.popleft().result())
+                while fetches and fetches[0].done():
+                    ready.append(fetches.popleft().result())
+                batch = [ready.popleft()]
+                while ready and ready[0].stats is batch[0].stats:
+                    batch.append(ready.popleft())
                 start = time.perf_counter()
-                codec.decode_chunk(got.chunk, got.stats, state, threads=threads)
+                codec.decode_chunks([got.chunk for got in batch], batch[0].stats, state, threads=threads)
                 decode_s += time.perf_counter() - start
-                fetch_s += got.fetch_s
-                levels[got.level] = levels.get(got.level, 0) + 1
+                for got in batch:
+                    fetch_s += got.fetch_s
+                    levels[got.level] = levels.get(got.level, 0) + 1
         finally:
-            if upcoming is not None:
-                upcoming.cancel()
+            for pending in fetches:
+                pending.cancel()
     return state, skeleton, {"levels": levels, "fetch_s": fetch_s, "decode_s": decode_s}
 
 

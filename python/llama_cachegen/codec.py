@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -530,6 +530,22 @@ def decode_chunk(
         return
     dst = ffi.from_buffer(state)
     check(lib.lcg_decode_chunk(c, len(c), stats._handle, _threads(threads), dst, len(state)))
+
+
+def decode_chunks(
+    chunks: Sequence[Buffer], stats: Stats, state: bytearray, *, threads: int | None = None
+) -> None:
+    """Decodes several chunks of one statistics object into their places in `state`, as
+    `decode_chunk` does each, but tensor by tensor across them: a tensor's decode tables are read
+    into cache once for all the chunks (one by one, they are read again for every chunk). Every chunk
+    is checked before any is written."""
+    views = [_view(c) for c in chunks]
+    pointers = ffi.new("void *[]", [ffi.cast("void *", v) for v in views])  # views kept alive above
+    sizes = ffi.new("size_t[]", [len(v) for v in views])
+    dst = ffi.from_buffer(state)
+    check(
+        lib.lcg_decode_chunks(pointers, sizes, len(views), stats._handle, _threads(threads), dst, len(state))
+    )
 
 
 def splice(state: Buffer, src: Buffer, begin: int, end: int) -> None:
