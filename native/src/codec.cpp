@@ -615,6 +615,12 @@ void decode_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats,
 void decode_chunks(const uint8_t * const * chunks, const size_t * chunk_sizes, size_t n_chunks, const Stats & stats,
                    int32_t n_threads, uint8_t * state, size_t state_size) {
     HostSink sink(state);
+    decode_chunks_to(chunks, chunk_sizes, n_chunks, stats, n_threads, state, state_size, sink);
+}
+
+void decode_chunks_to(const uint8_t * const * chunks, const size_t * chunk_sizes, size_t n_chunks,
+                      const Stats & stats, int32_t n_threads, const uint8_t * state, size_t state_size,
+                      DecodeSink & sink) {
     // Any kind of state with the same memory layout: a chunk saved from llama-cpp-python loads into
     // a llama-server slot file.
     const ParsedState st = parse_state(state, state_size, LCG_KIND_AUTO);
@@ -632,14 +638,6 @@ void decode_chunks(const uint8_t * const * chunks, const size_t * chunk_sizes, s
             decode_chunk_tensor(p, i, stats, st, sink);
         }
     });
-}
-
-void decode_chunk_to(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads,
-                     const uint8_t * state, size_t state_size, DecodeSink & sink) {
-    const ParsedState st = parse_state(state, state_size, LCG_KIND_AUTO);
-    ChunkPlan p;
-    plan_chunk(chunk, chunk_size, stats, st, cell_of_position(st), p);
-    parallel_for(st.tensors.size(), n_threads, [&](size_t i) { decode_chunk_tensor(p, i, stats, st, sink); });
 }
 
 void splice(uint8_t * state, size_t state_size, const uint8_t * src, size_t src_size, uint32_t pos_begin,

@@ -97,8 +97,9 @@ void decode_chunks(const uint8_t * const * chunks, const size_t * chunk_sizes, s
                    int32_t n_threads, uint8_t * state, size_t state_size);
 // The same with the state's layout read from `state` (host bytes: only what is not K/V is read) and
 // the writes going to `sink`.
-void decode_chunk_to(const uint8_t * chunk, size_t chunk_size, const Stats & stats, int32_t n_threads,
-                     const uint8_t * state, size_t state_size, DecodeSink & sink);
+void decode_chunks_to(const uint8_t * const * chunks, const size_t * chunk_sizes, size_t n_chunks,
+                      const Stats & stats, int32_t n_threads, const uint8_t * state, size_t state_size,
+                      DecodeSink & sink);
 void splice(uint8_t * state, size_t state_size, const uint8_t * src, size_t src_size, uint32_t pos_begin,
             uint32_t pos_end);
 

@@ -394,7 +394,7 @@ void decode_chunk_device(const uint8_t * chunk, size_t chunk_size, const Stats &
     const cuda::Backend & b = require_device();
     const DeviceStats::Copy & copy = cache.on_current_device(stats);
     DeviceSink sink(chunk, device_state, state_size, &copy);
-    decode_chunk_to(chunk, chunk_size, stats, 1, state, state_size, sink);
+    decode_chunks_to(&chunk, &chunk_size, 1, stats, 1, state, state_size, sink);
     sink.run(b, chunk_size, copy.base, stream);
 }
 
