@@ -238,7 +238,7 @@ def test_decode_chunks_checks_every_chunk_before_writing() -> None:
     other_stats = other.stats()
     for bad, error in [
         (bytes(damaged), lcg.CorruptDataError),  # a checksum
-        (other.chunk(200, 300, hashlib.sha256(other_stats).digest()), lcg.CorruptDataError),  # other statistics
+        (other.chunk(200, 300, hashlib.sha256(other_stats).digest()), lcg.CorruptDataError),  # other stats
         (chunker.chunk(200, 300, sid)[:100], lcg.TruncatedDataError),
     ]:
         with pytest.raises(error):

@@ -7,6 +7,7 @@ import functools
 import json
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -146,8 +147,8 @@ class Cluster(Processes):
         super().__init__(root)
         self.binary = binary
 
-    def server(self, name: str, model: Path | None = None) -> tuple[str, Path]:
-        return self.llama_server(name, self.binary, N_CTX, model)
+    def server(self, name: str, model: Path | None = None, *extra: str) -> tuple[str, Path]:
+        return self.llama_server(name, self.binary, N_CTX, model, *extra)
 
     def proxy_of(self, server: str, slot_dir: Path, store: str, *extra: str) -> str:
         settings = ("--levels", "lossless", "--chunk-tokens", str(CHUNK), "--threads", "2", *extra)
@@ -361,6 +362,68 @@ def test_store_down_still_answers(nodes: tuple[Node, Node], cluster: Cluster) ->
     assert headers[RESTORED_HEADER] == "0" and out["content"]
     stats = _stats(proxy)
     assert stats["store_errors"] >= 1 and stats["restores"] == 0
+
+
+def test_a_store_that_stops_answering_does_not_hold_requests(
+    nodes: tuple[Node, Node], cluster: Cluster
+) -> None:
+    """An HTTP store whose connections are accepted and never answered (a frozen or wedged
+    server): its client waits a minute per try; the request goes on after the proxy's deadline."""
+    a, _ = nodes
+    with socket.create_server(("127.0.0.1", 0)) as wedged:  # the kernel accepts, no one answers
+        proxy = cluster.proxy_of(a.server, a.slot_dir, f"http://127.0.0.1:{wedged.getsockname()[1]}")
+        prompt = sample_text("gpl-3.0.txt")[:1500] + "\n\nQuestion: who wrote this?\nAnswer:"
+        out, headers = _complete(proxy, prompt)  # _post gives up after 120 s; the store's client: 180
+        assert headers[RESTORED_HEADER] == "0" and out["content"]
+        stats = _stats(proxy)
+        assert stats["loads_skipped"] == 1 and stats["store_errors"] >= 1
+
+
+def _slot_state(server: str) -> dict[str, Any]:
+    return json.loads(http_status(server + "/slots")[1])[0]
+
+
+def test_a_client_that_leaves_stops_its_generation(nodes: tuple[Node, Node]) -> None:
+    """A client that closes its connection before a non-streamed answer: the proxy closes its
+    request to the server, which stops generating (as for its own clients), and the slot is free."""
+    a, _ = nodes
+    n_predict = N_CTX - 64
+    request = {"prompt": "Write a long story.", "n_predict": n_predict, "ignore_eos": True, "temperature": 0}
+    body = json.dumps(request).encode()
+    host, port = a.proxy.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), 10) as client:
+        client.sendall(
+            b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 60
+        while not _slot_state(a.server)["is_processing"]:  # the generation has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    # Looked at every 2 s: llama-server checks a waiting request's connection when no result has
+    # come for a second, and each /slots call is a result that postpones the check.
+    decoded = 0
+    deadline = time.monotonic() + 120
+    while time.sleep(2.0) or (slot := _slot_state(a.server))["is_processing"]:
+        decoded = max(decoded, slot["next_token"][0]["n_decoded"])
+        assert time.monotonic() < deadline, "the server still generates for a client that left"
+    assert decoded < n_predict // 2  # stopped, not run to its end
+    out, _ = _complete(a.proxy, "Hello")  # the slot serves the next request
+    assert out["content"]
+
+
+def test_a_proxy_told_other_cache_types_uploads_nothing(cluster: Cluster, redis_url: str) -> None:
+    """A server caching K/V as q8_0 behind a proxy left at f16: its chunks would be stored under
+    the f16 fingerprint, and every f16 server would fetch them and have them refused. The upload
+    is refused instead, saying which option to give."""
+    server, slot_dir = cluster.server("q8", None, "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0")
+    proxy = cluster.proxy_of(server, slot_dir, f"{redis_url}?prefix=proxy-q8:")
+    _complete(proxy, sample_text("gpl-3.0.txt")[:2000])
+    stats = _wait_uploads(proxy, 1)
+    assert stats["upload_errors"] == 1 and stats["objects_written"] == 0 and stats["store_errors"] == 0
+    log = (cluster.root / f"proxy-{len(cluster.procs) - 1}.log").read_text()
+    assert "holds K as q8_0, the proxy was told f16: start it with --cache-type-k q8_0" in log
 
 
 def test_token_required(nodes: tuple[Node, Node], cluster: Cluster, redis_url: str, tmp_path: Path) -> None:

@@ -169,7 +169,9 @@ typedef struct {
     uint32_t has_tail;          /* lcg_inspect_state: 1 if bytes follow its KV caches (a hybrid
                                    model's recurrent state, of the last position): the state's
                                    chunks then load at its full length only                   */
-    uint32_t reserved[4];
+    int32_t  k_type, v_type;    /* lcg_inspect_state: ggml type of the first K and V tensors (-1:
+                                   none, e.g. no cells); 0 elsewhere                            */
+    uint32_t reserved[2];
 } lcg_info;
 
 /* One entry of the container's section table. */

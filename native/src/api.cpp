@@ -265,6 +265,11 @@ int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind,
         info->state_size = state_size;
         info->kv_bytes = st.kv_bytes;
         info->has_tail = st.tail_offset < state_size;
+        info->k_type = info->v_type = -1;
+        for (const TensorDesc & t : st.tensors) {
+            int32_t & type = t.is_v ? info->v_type : info->k_type;
+            type = type < 0 ? t.ggml_type : type;
+        }
         try {
             info->pos_end = chunkable_positions(st);
             info->chunkable = 1;

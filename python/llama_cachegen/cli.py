@@ -810,6 +810,9 @@ def _parser() -> argparse.ArgumentParser:
         "--flash-attn", choices=["auto", "on", "off"], default="auto", help="the server's -fa (default: auto)"
     )
     p.add_argument("--swa-full", action="store_true", help="the server runs with --swa-full")
+    p.add_argument(
+        "--max-body-mb", type=_COUNT, default=64, help="largest request accepted, MiB (default: %(default)s)"
+    )
     _threads_arg(p)
     p.add_argument("--verbose", action="store_true", help="log every request")
     p.set_defaults(func=_proxy)

@@ -395,11 +395,12 @@ def inspect(blob: Buffer) -> dict[str, Any]:
 
 def inspect_state(state: Buffer, kind: str = "auto") -> dict[str, Any]:
     """Parses a llama.cpp state without encoding it; raises UnsupportedFormatError if unreadable.
-    "tail": bytes follow its KV caches (a hybrid model's recurrent state, of the last position)."""
+    "tail": bytes follow its KV caches (a hybrid model's recurrent state, of the last position);
+    "type_k", "type_v": the ggml type ids of its first K and V tensors (-1: none)."""
     src = _view(state)
     info = ffi.new("lcg_info *")
     check(lib.lcg_inspect_state(src, len(src), _kind(kind), info))
-    return {**_info_dict(info), "tail": bool(info.has_tail)}
+    return {**_info_dict(info), "tail": bool(info.has_tail), "type_k": info.k_type, "type_v": info.v_type}
 
 
 def user_meta(blob: Buffer) -> bytes:

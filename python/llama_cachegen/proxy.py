@@ -55,6 +55,7 @@ from aiohttp import web
 from . import chunks, codec, stores
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, UnsupportedFormatError
 from .llama import FINGERPRINT_FIELDS, StateMeta, _model_hash
+from .quality import GGML_TYPES
 from .stores.http import TOKEN_ENV, bearer_ok, is_loopback, load_token
 
 log = logging.getLogger("llama_cachegen.proxy")
@@ -91,6 +92,8 @@ _HOP_BY_HOP = frozenset(
 _TAIL_BYTES = 1 << 16  # the end of a response, where llama-server puts its timings
 _STORE_BACKOFF_S = 10.0  # after a store error, requests skip the store for this long
 _START_WAIT_S = 120.0  # how long start-up waits for the server to answer /props
+_LOAD_WAIT_S = 10.0  # longest a prefix load may take before the server's speed is measured
+_MIN_LOAD_S = 1.0  # ... and at least this long after
 _MAX_PENDING_UPLOADS = 2  # saved slots waiting for the uploader (each holds a state in memory)
 # bytes per token per level, relative to the f16 state, until the proxy has measured its own
 _GUESS_RATIO = {"lossless": 0.8, "high": 0.3, "balanced": 0.22, "compact": 0.15}
@@ -289,6 +292,13 @@ class Sharing:
             old = self.bytes_per_token.get(level)
             self.bytes_per_token[level] = per_token if old is None else 0.7 * old + 0.3 * per_token
 
+    def load_deadline(self, n_tokens: int) -> float:
+        """Seconds a prefix load of an n-token prompt may take without an SLO: twice the server's
+        measured compute time of the prompt (at least _MIN_LOAD_S), _LOAD_WAIT_S before any."""
+        if not self.compute_tps:
+            return _LOAD_WAIT_S
+        return max(_MIN_LOAD_S, 2.0 * n_tokens / self.compute_tps)
+
     def _estimate_s(self, level: str, positions: int) -> float:
         """Seconds to fetch `positions` tokens at `level` (0 until a throughput is measured)."""
         if not self.throughput:
@@ -367,6 +377,15 @@ class Sharing:
                 "a hybrid model: its slot file holds the recurrent state of the last position, which no "
                 "prefix can be cut from, so no prefix of it can be shared"
             )
+        for side in ("type_k", "type_v"):
+            found, told = info[side], self.fingerprint[side]
+            if found >= 0 and found != GGML_TYPES.get(told):
+                name = next((n for n, t in GGML_TYPES.items() if t == found), str(found))
+                flag = "--cache-type-k" if side == "type_k" else "--cache-type-v"
+                raise UnsupportedFormatError(
+                    f"the server's cache holds {side[-1].upper()} as {name}, the proxy was told {told}: "
+                    f"start it with {flag} {name} (its chunks would be stored under another setting's name)"
+                )
         if not info["chunkable"] or info["positions"] != (0, int(tokens.size)):
             raise CorruptDataError(
                 f"the slot holds positions {info['positions']} for {tokens.size} tokens: not chunkable"
@@ -447,8 +466,10 @@ class Proxy:
         flash_attn: str = "auto",
         swa_full: bool = False,
         threads: int | None = None,
+        max_body: int = 64 << 20,
     ) -> None:
         self.server = server.rstrip("/")
+        self.max_body = max_body  # request bytes the proxy reads (413 beyond)
         self.slot_dir = Path(slot_dir)
         self.store_url = store_url
         self.token, self.server_key, self.model = token, server_key, model
@@ -520,7 +541,7 @@ class Proxy:
         self._uploader.shutdown(wait=True)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.max_body)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.close)
@@ -590,8 +611,9 @@ class Proxy:
                 headers=self._server_headers(request),
             )
             upstream = await upstream_cm.__aenter__()
-        except aiohttp.ClientError as exc:
-            return web.Response(status=502, text=f"llama-server unreachable: {exc}\n"), tail
+        except aiohttp.ClientError as exc:  # in llama-server's own error shape
+            error = {"code": 502, "message": f"llama-server unreachable: {exc}", "type": "unavailable_error"}
+            return web.json_response({"error": error}, status=502), tail
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
@@ -602,10 +624,13 @@ class Proxy:
             for name, value in (extra or {}).items():
                 response.headers[name] = value
             await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-                tail = (tail + chunk)[-_TAIL_BYTES:]
-            await response.write_eof()
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                    tail = (tail + chunk)[-_TAIL_BYTES:]
+                await response.write_eof()
+            except ConnectionResetError:  # the client left; leaving closes the server's request too
+                log.info("%s %s: the client disconnected", request.method, request.path)
             return response, tail
         finally:
             await upstream_cm.__aexit__(None, None, None)
@@ -698,11 +723,19 @@ class Proxy:
         held = common_prefix(slot.tokens, tokens)
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._loader, sharing.load, tokens, held)
+        # A store that stops answering must not hold the request (its client's timeouts are a
+        # minute and more): past the SLO, or else the time the server would take to compute the
+        # prompt twice over (a store slower than that is no use), the request goes on without it.
+        deadline = sharing.slo or sharing.load_deadline(int(tokens.size))
         try:
-            loaded = await (asyncio.wait_for(future, sharing.slo) if sharing.slo else future)
+            loaded = await asyncio.wait_for(future, deadline)
         except asyncio.TimeoutError:
             self.stats.loads_skipped += 1
-            log.warning("prefix load over the SLO of %g s: computed instead", sharing.slo)
+            if sharing.slo:
+                log.warning("prefix load over the SLO of %g s: computed instead", sharing.slo)
+            else:
+                late = TimeoutError(f"no prefix from the store in {deadline:.1f} s")
+                self._store_failed("prefix load", late)
             return 0, 0
         except Exception as exc:  # the store down, a chunk refused: never fail the request
             self.stats.loads_skipped += 1
@@ -783,7 +816,10 @@ class Proxy:
         self.stats.pending_uploads += 1
         try:
             done = await asyncio.get_running_loop().run_in_executor(self._uploader, self.sharing.upload, data)
-        except Exception as exc:  # a store that is down, a state that cannot be chunked
+        except (UnsupportedFormatError, CorruptDataError) as exc:  # a slot that cannot be shared
+            self.stats.upload_errors += 1
+            log.warning("slot %d: not uploaded: %s", slot.id, exc)
+        except Exception as exc:  # a store that is down
             self.stats.upload_errors += 1
             self._store_failed("upload failed", exc)
         else:
@@ -866,10 +902,16 @@ def run_proxy(args: argparse.Namespace) -> None:
         flash_attn=args.flash_attn,
         swa_full=args.swa_full,
         threads=args.threads,
+        max_body=args.max_body_mb << 20,
     )
 
     async def main() -> None:
-        runner = web.AppRunner(proxy.app(), access_log=web.access_logger if args.verbose else None)
+        # handler_cancellation: a client that leaves before a non-streamed answer cancels its
+        # handler, which closes the request to the server, and llama-server stops generating (as for
+        # a client of its own); else the slot stays busy until the whole answer is generated.
+        runner = web.AppRunner(
+            proxy.app(), access_log=web.access_logger if args.verbose else None, handler_cancellation=True
+        )
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()

@@ -121,17 +121,17 @@ class Processes:
         raise CacheGenError(f"{name} not ready after {timeout:.0f} s; see {self.root / name}.log")
 
     def llama_server(
-        self, name: str, binary: Path, n_ctx: int, model: Path | None = None
+        self, name: str, binary: Path, n_ctx: int, model: Path | None = None, *extra: str
     ) -> tuple[str, Path]:
         """A llama-server of `model` (default: the bundled one) with one slot, one thread and a slot
-        directory: (URL, slot directory)."""
+        directory, and `extra` arguments: (URL, slot directory)."""
         slot_dir = self.root / f"slots-{name}"
         slot_dir.mkdir()
         port = free_port()
         model = model or default_model_path()
         argv = [str(binary), "-m", str(model), "-c", str(n_ctx), "-np", "1", "-t", "1", "-b", "512",
                 "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(slot_dir),
-                "--cache-ram", "0", "--no-warmup"]  # fmt: skip
+                "--cache-ram", "0", "--no-warmup", *extra]  # fmt: skip
         return self.start(f"server-{name}", argv, port), slot_dir
 
     def proxy(self, name: str, server: str, slot_dir: Path, store: str, *args: str,
