@@ -251,6 +251,27 @@ def test_unstored_prefix_passes_through(nodes: tuple[Node, Node]) -> None:
     assert http_status(b.proxy + "/health")[0] == 200
 
 
+def _status_of(url: str, body: dict[str, Any]) -> int:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_prompt_over_the_context_goes_straight_to_the_server(nodes: tuple[Node, Node]) -> None:
+    """Nothing restored for a prompt the server refuses: the same answer as the server's."""
+    a, _ = nodes
+    prompt = sample_text("gpl-3.0.txt")[:16000]
+    assert len(_tokenize(a.server, prompt, add_special=True)) > N_CTX
+    before = _stats(a.proxy)
+    body = {"prompt": prompt, "n_predict": 4}
+    assert _status_of(a.proxy + "/completion", body) == _status_of(a.server + "/completion", body) == 400
+    after = _stats(a.proxy)
+    assert (after["completions"], after["restores"]) == (before["completions"], before["restores"])
+
+
 def _stream_chat(url: str, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any], dict[str, str], int]:
     """Content, last timings, headers and the number of SSE events of a streamed chat answer."""
     body = {"messages": messages, "max_tokens": 12, "temperature": 0.0, "stream": True}

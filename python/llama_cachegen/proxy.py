@@ -683,8 +683,8 @@ class Proxy:
                 tokens = await self._prompt_tokens(body, chat)
             except CacheGenError as exc:
                 log.warning("prompt not tokenized (%s): passed through", exc)
-        if tokens is None:
-            return await self._forward(request, raw)
+        if tokens is None or (self.sharing is not None and 0 < self.sharing.n_ctx <= tokens.size):
+            return await self._forward(request, raw)  # over the slot's context: nothing to restore
         self.stats.completions += 1
         slot = await self._acquire(tokens, body.get("id_slot"))
         tail = b""
