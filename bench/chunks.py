@@ -46,11 +46,11 @@ def _chunked(state: bytes, level: str, c: int, threads: int) -> tuple[list[bytes
     return [stats, *(chunker.chunk(b, e, stats_id) for b, e in ranges)], len(meta.pack()) * len(ranges)
 
 
-def _decode_chunked(skeleton: bytes, objects: list[bytes], n: int, threads: int, together: bool) -> bytearray:
-    """The state rebuilt from the chunks: in one `decode_chunks` call (as a load does with the
-    chunks that have arrived), or one `decode_chunk` call each."""
+def _decode_chunked(objects: list[bytes], state: np.ndarray, threads: int, together: bool) -> np.ndarray:
+    """Opens the statistics and decodes the chunks into `state` (a skeleton state, reused as a load
+    reuses its buffer): in one `decode_chunks` call, as a load does with the chunks that have
+    arrived, or one `decode_chunk` call each."""
     stats = codec.Stats(objects[0], hashlib.sha256(objects[0]).digest())
-    state = codec.skeleton_state(skeleton, n)
     if together:
         codec.decode_chunks(objects[1:], stats, state, threads=threads)
     else:
@@ -61,28 +61,32 @@ def _decode_chunked(skeleton: bytes, objects: list[bytes], n: int, threads: int,
 
 def size_and_speed(state: bytes, reps: int, threads: int) -> list[tuple[object, ...]]:
     n = codec.inspect_state(state)["positions"][1]
-    skeleton = codec.encode_skeleton(state)
+    # Decodes write into buffers made once (fresh ones would add ~18 ms of page faults per call to
+    # every row alike): the whole container's, and a skeleton state for the chunks.
+    buffer = codec.empty_buffer(len(state))
+    rebuilt = codec.skeleton_state(codec.encode_skeleton(state), n, alloc=codec.empty_buffer)
     mbps = len(state) / 1e6
     rows: list[tuple[object, ...]] = []
     for level in LEVELS:
         log(f"chunks: {level}, whole")
         whole = codec.encode(state, level, threads=threads)
         enc = median_time(lambda lv=level: codec.encode(state, lv, threads=threads), reps)
-        dec = median_time(lambda w=whole: codec.decode(w, threads=threads), reps)
+        dec = median_time(lambda w=whole: codec.decode_into(w, buffer, threads=threads), reps)
         require(level != "lossless" or codec.decode(whole) == state, "the whole lossless container differs")
         rows.append((level, "whole", 1, len(whole) / 1e6, 0.0, 0.0, mbps / enc, mbps / dec, None))
         for c in CHUNK_SIZES:
             log(f"chunks: {level}, C = {c}")
             objects, headers = _chunked(state, level, c, threads)
             size = sum(map(len, objects))
-            decoded = _decode_chunked(skeleton, objects, n, threads, True)
+            decoded = _decode_chunked(objects, rebuilt, threads, True).tobytes()
             require(
                 level != "lossless" or decoded == state, f"lossless chunks of {c} do not rebuild the state"
             )
-            require(decoded == _decode_chunked(skeleton, objects, n, threads, False), "decode_chunks differs")
+            each_decoded = _decode_chunked(objects, rebuilt, threads, False).tobytes()
+            require(decoded == each_decoded, "decode_chunks differs from decode_chunk")
             enc = median_time(lambda lv=level, c=c: _chunked(state, lv, c, threads), reps)
-            dec = median_time(lambda o=objects: _decode_chunked(skeleton, o, n, threads, True), reps)
-            each = median_time(lambda o=objects: _decode_chunked(skeleton, o, n, threads, False), reps)
+            dec = median_time(lambda o=objects: _decode_chunked(o, rebuilt, threads, True), reps)
+            each = median_time(lambda o=objects: _decode_chunked(o, rebuilt, threads, False), reps)
             overhead = 100 * (size / len(whole) - 1)
             with_headers = 100 * ((size + headers) / len(whole) - 1)
             rows.append(
