@@ -197,6 +197,9 @@ def test_eval_reports_quality_per_level_and_llama_cpp_types() -> None:
     assert promise["reference"] == "q5_1" and promise["holds"] == (promise["kl"] <= promise["reference_kl"])
     worst = max(promise["kl"], promise["reference_kl"])
     assert promise["within_floor"] == (worst <= 1.5 * result["floor_kl"])
+    assert promise["reference_broken"] is False  # q5_1 works on SmolLM2 (on Qwen2.5 it does not)
+    proc = _cli("eval", "--cache-types", "q5", check=False)  # a name llama.cpp has no type for
+    assert proc.returncode == 2 and "invalid choice: 'q5'" in proc.stderr
 
 
 def test_in_place_overwrite_needs_force_and_is_atomic(slot_file: Path, tmp_path: Path) -> None:
