@@ -272,6 +272,13 @@ def test_a_prompt_over_the_context_goes_straight_to_the_server(nodes: tuple[Node
     assert (after["completions"], after["restores"]) == (before["completions"], before["restores"])
 
 
+def test_request_size_limit(nodes: tuple[Node, Node], cluster: Cluster, tmp_path: Path) -> None:
+    a, _ = nodes
+    proxy = cluster.proxy_of(a.server, a.slot_dir, str(tmp_path), "--max-body-mb", "1")
+    assert _status_of(proxy + "/completion", {"prompt": "x" * (2 << 20), "n_predict": 1}) == 413
+    assert _status_of(proxy + "/completion", {"prompt": "Hello", "n_predict": 1}) == 200
+
+
 def _stream_chat(url: str, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any], dict[str, str], int]:
     """Content, last timings, headers and the number of SSE events of a streamed chat answer."""
     body = {"messages": messages, "max_tokens": 12, "temperature": 0.0, "stream": True}
