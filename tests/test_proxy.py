@@ -223,6 +223,12 @@ def test_shared_prefix_lossless(nodes: tuple[Node, Node]) -> None:
     stats_b = _stats(b.proxy)
     assert stats_b["restores"] == 1 and stats_b["bytes_read"] > 0
 
+    # cache_prompt false asks for a cold prefill: passed through, nothing restored
+    before = _stats(b.proxy)
+    cold, headers_cold = _complete(b.proxy, prefix + q_b, cache_prompt=False)
+    assert RESTORED_HEADER not in headers_cold and cold["timings"]["prompt_n"] == len(prefix + q_b)
+    assert _stats(b.proxy)["restores"] == before["restores"]
+
     # the reference: A's raw slot file restored into B, the same request straight to B
     _post(a.server + "/slots/0?action=save", {"filename": "raw-a.bin"})
     shutil.copyfile(a.slot_dir / "raw-a.bin", b.slot_dir / "raw-a.bin")

@@ -678,7 +678,9 @@ class Proxy:
         except ValueError:
             return await self._forward(request, raw)
         tokens = None
-        if isinstance(body, dict) and self.slots:
+        # cache_prompt false: the client wants the prompt computed from scratch (a cold prefill's
+        # exact numbers); nothing is restored for it
+        if isinstance(body, dict) and self.slots and body.get("cache_prompt", True) is not False:
             try:
                 tokens = await self._prompt_tokens(body, chat)
             except CacheGenError as exc:
