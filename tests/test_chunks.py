@@ -126,6 +126,32 @@ def test_lossy_level_loads_when_asked(original: dict[str, Any], loader: Llama) -
     assert metrics["kl"] < 0.05 and metrics["top1"] == 1.0
 
 
+def test_a_lossy_load_is_never_stored_as_exact_chunks(
+    original: dict[str, Any], loader: Llama, tmp_path: Path
+) -> None:
+    """A context loaded at balanced, saved at lossless into another store: as chunks under its
+    tokens' keys, every later lossless load of those tokens would get its balanced K/V (the
+    original's own lossless save would find them present and write nothing). It is saved whole."""
+    chunks.load_chunked(loader, original["root"] / "c256" / "ctx", level="balanced")
+    loader.eval(original["cont"])  # K/V computed on top of lossy K/V: not exact either
+    store = tmp_path / "store"
+    derived = chunks.save_chunked(loader, store / "derived", levels=["high", "balanced"])
+    assert derived.chunk_tokens is None and "loaded at balanced" in (derived.fallback or "")
+    assert not (store / PREFIX / "chunks").exists()
+    # at its own level or worse it is chunked as before (what the prompt cache does too)
+    assert chunks.save_chunked(loader, store / "same", levels=["balanced", "compact"]).fallback is None
+    # the original's lossless chunks go in, and load exactly
+    _set(loader, original["state"], original["prefix"])  # not a load of this library's: the record stays
+    exact = chunks.save_chunked(loader, store / "original", levels=["lossless"])
+    assert exact.fallback and "loaded at balanced" in exact.fallback  # the record follows the tokens
+    chunks.load_chunked(loader, original["root"] / "c256" / "ctx", level="lossless")  # an exact load
+    again = chunks.save_chunked(loader, store / "original", levels=["lossless"])
+    assert again.fallback is None and again.chunks == 5
+    fresh = _llama(logits_all=True)
+    chunks.load_chunked(fresh, store / "original", level="lossless")
+    assert capture_state(fresh, None) == original["state"]
+
+
 def test_mixed_assembly_of_decoded_and_computed_chunks(original: dict[str, Any], loader: Llama) -> None:
     """Chunks 2 and the last are computed by llama.cpp on top of the assembled chunks before them
     and spliced in; the rest are decoded. The result continues like the original."""

@@ -413,6 +413,25 @@ def test_a_store_that_stops_answering_does_not_hold_requests(
         assert stats["loads_skipped"] == 1 and stats["store_errors"] >= 1
 
 
+def test_restored_lossy_kv_is_not_uploaded_as_better_chunks(
+    nodes: tuple[Node, Node], cluster: Cluster, tmp_path: Path
+) -> None:
+    """Proxy A stores balanced chunks, B uploads high and balanced: B restores balanced K/V; its
+    upload must not store that as high chunks (they would pass for the exact K/V at high)."""
+    a, b = nodes
+    store = str(tmp_path / "store")
+    proxy_a = cluster.proxy_of(a.server, a.slot_dir, store, "--levels", "balanced")
+    proxy_b = cluster.proxy_of(b.server, b.slot_dir, store, "--levels", "high", "balanced")
+    text = _tokenize(a.server, sample_text("gfdl-1.3.txt"), add_special=True)
+    _complete(proxy_a, text[: 4 * CHUNK + 10])
+    _wait_uploads(proxy_a, 1)
+    _, headers = _complete(proxy_b, text[: 5 * CHUNK + 10])  # one more full chunk for B to upload
+    assert headers[RESTORED_HEADER] == str(4 * CHUNK)
+    assert _wait_uploads(proxy_b, 1)["uploads"] == 1
+    # B's fifth chunk, computed on top of balanced K/V, at balanced; nothing at high
+    assert sorted(p.name for p in (tmp_path / "store" / PREFIX / "chunks").glob("*/*")) == ["balanced"] * 5
+
+
 def _slot_state(server: str) -> dict[str, Any]:
     return json.loads(http_status(server + "/slots")[1])[0]
 

@@ -55,6 +55,7 @@ from .llama import (
     check_fingerprint,
     fingerprint_key,
     load_compressed_state,
+    lossy_level,
     model_fingerprint,
     restore_context,
 )
@@ -413,10 +414,16 @@ def save_chunked(
     kind = "full_buffer" if seq_id is None else "seq_buffer"
     info = codec.inspect_state(state, kind)
     n = int(meta.tokens.size)
+    lossy = lossy_level(llm, seq_id, meta.tokens)
+    better = [lv for lv in levels if lossy is not None and PREFERENCE.index(lv) < PREFERENCE.index(lossy)]
     if not info["chunkable"]:
         fallback = "the state is not one sequence at positions 0..n-1 (several sequences, SWA or empty)"
     elif info["positions"] != (0, n):
         fallback = f"{n} token ids for a state of positions {info['positions']}: pass tokens="
+    elif better:
+        # chunks are keyed by their tokens: a better level would pass for their exact K/V
+        fallback = f"the context holds K/V loaded at {lossy}, stored whole: as chunks at {', '.join(better)}"
+        fallback += " it would pass for the exact K/V of its tokens"
     else:
         fallback = None
     manifest = Manifest(meta, chunk_tokens=None if fallback else chunk_tokens)
@@ -664,6 +671,7 @@ def _assemble(
     bound = _state_bound(reader.fingerprint, n_pos, skeleton)
     state = codec.skeleton_state(skeleton, n_pos, max_size=bound, alloc=codec.empty_buffer)
     levels: dict[str, int] = {}
+    lossy: tuple[int, str] | None = None  # (first position of lossy K/V, the worst level)
     fetch_s = decode_s = 0.0
     with ThreadPoolExecutor(1, thread_name_prefix="lcg-fetch") as pool:
         fetches = deque(pool.submit(reader.fetch, i) for i in order[len(ready) :])
@@ -682,10 +690,19 @@ def _assemble(
                 for got in batch:
                     fetch_s += got.fetch_s
                     levels[got.level] = levels.get(got.level, 0) + 1
+                    if got.level != "lossless":
+                        lossy = worse_load(lossy, got.meta.begin, got.level)
         finally:
             for pending in fetches:
                 pending.cancel()
-    return state, skeleton, {"levels": levels, "fetch_s": fetch_s, "decode_s": decode_s}
+    return state, skeleton, {"levels": levels, "fetch_s": fetch_s, "decode_s": decode_s, "lossy": lossy}
+
+
+def worse_load(lossy: tuple[int, str] | None, begin: int, level: str) -> tuple[int, str]:
+    """`lossy` (first position of lossy K/V, worst level) after a chunk at `begin` of `level`."""
+    if lossy is None:
+        return begin, level
+    return min(lossy[0], begin), max(lossy[1], level, key=PREFERENCE.index)
 
 
 def _candidates(sizes: dict[str, Any], level: str | None, index: int) -> tuple[str, ...]:
@@ -750,7 +767,7 @@ def load_chunked(
         t1 = time.perf_counter()
         state, _, figures = _assemble(reader, m.skeleton, threads)
     t2 = time.perf_counter()
-    restore_context(llm, state, target, tokens, m.meta.logits)
+    restore_context(llm, state, target, tokens, m.meta.logits, figures["lossy"])
     t3 = time.perf_counter()
     bytes_read = len(data) + reader.bytes_read
     return LoadReport(
@@ -875,7 +892,7 @@ def load_prefix(
         state, skeleton, figures = _assemble(reader, None, threads)
     target = _target("all" if codec.inspect(skeleton)["kind"] == "full_buffer" else "seq", seq_id)
     t2 = time.perf_counter()
-    restore_context(llm, state, target, prefix, None)
+    restore_context(llm, state, target, prefix, None, figures["lossy"])
     t3 = time.perf_counter()
     return LoadReport(
         tokens=match.positions if target in (None, 0) else 0,

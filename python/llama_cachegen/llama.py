@@ -20,6 +20,7 @@ import json
 import os
 import struct
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -452,7 +453,8 @@ def load_compressed_state(
     state = codec.empty_buffer(codec.decoded_size(blob))
     codec.decode_into(blob, state, threads=threads)
     t2 = time.perf_counter()
-    restore_context(llm, state, target, meta.tokens, meta.logits)
+    lossy = None if info["level"] == "lossless" else (0, info["level"])
+    restore_context(llm, state, target, meta.tokens, meta.logits, lossy)
     own = target in (None, 0)
     t3 = time.perf_counter()
     return LoadReport(
@@ -468,18 +470,47 @@ def load_compressed_state(
     )
 
 
+@dataclass(frozen=True)
+class _LossyLoad:
+    tokens: np.ndarray  # what the load restored
+    exact_until: int  # its K/V from this position on came from a lossy level
+    level: str  # the worst level loaded
+
+
+# Per context and sequence (the whole context and sequence 0 share llama-cpp-python's token list):
+# the last load that put lossy K/V in it. Content-addressed saves consult it (lossy_level).
+_lossy_loads: weakref.WeakKeyDictionary[llama_cpp.Llama, dict[int, _LossyLoad]] = weakref.WeakKeyDictionary()
+
+
+def lossy_level(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) -> str | None:
+    """The worst lossy level whose decoded K/V the first positions `tokens` of the context (or
+    sequence `target`) hold from one of this library's loads, or computed on top of it; None when
+    they hold none. A chunk of them stored under its tokens' keys at a better level would pass for
+    the exact K/V of those tokens. (Tokens evaluated again from scratch after `reset()` still
+    count: the record follows the tokens, not llama.cpp's cells.)"""
+    record = _lossy_loads.get(llm, {}).get(target or 0)
+    if record is None:
+        return None
+    n = min(record.tokens.size, tokens.size)
+    differ = np.flatnonzero(record.tokens[:n] != tokens[:n])
+    same = int(differ[0]) if differ.size else n
+    return record.level if same > record.exact_until else None
+
+
 def restore_context(
     llm: llama_cpp.Llama,
     state: bytes | bytearray | np.ndarray,
     target: int | None,
     tokens: np.ndarray,
     logits: np.ndarray | None,
+    lossy: tuple[int, str] | None = None,
 ) -> None:
     """Loads `state` into the whole context (target None) or sequence `target`, emptied first, with
     one llama.cpp call; if llama.cpp refuses, ModelMismatchError, and if the state holds fewer positions than
     `tokens` names, CorruptDataError: either way the context is put back as it was (else cleared).
     For the whole context or sequence 0, llama-cpp-python's token list and last logits follow, so
-    the next completion evaluates only what comes after `tokens`."""
+    the next completion evaluates only what comes after `tokens`. `lossy` (exact_until, worst
+    level): the state's K/V from that position on was decoded from a lossy level (lossy_level)."""
     backup = _state_array(llm, target)
     # llama.cpp clears the target itself only for a state with cells: an empty one would leave
     # what the target held under the loaded (empty) token list
@@ -498,6 +529,11 @@ def restore_context(
         message = f"the state holds {n_pos} positions but its token list has {tokens.size} ids"
         _put_back(llm, backup, target, CorruptDataError, message)
     set_tokens(llm, target, tokens, logits)
+    records = _lossy_loads.setdefault(llm, {})
+    if lossy is None:
+        records.pop(target or 0, None)
+    else:
+        records[target or 0] = _LossyLoad(np.array(tokens, dtype=np.intc), *lossy)
 
 
 def _put_back(

@@ -230,6 +230,7 @@ class Loaded:
     bytes_read: int = 0
     levels: dict[str, int] = field(default_factory=dict)
     ms: float = 0.0
+    lossy: tuple[int, str] | None = None  # (first position of lossy K/V, the worst level)
 
 
 class Sharing:
@@ -357,11 +358,20 @@ class Sharing:
             bytes_read=reader.bytes_read,
             levels=figures["levels"],
             ms=(time.perf_counter() - start) * 1e3,
+            lossy=figures["lossy"],
         )
 
-    def upload(self, slot_file: bytes) -> dict[str, Any]:
+    def upload(self, slot_file: bytes, lossy: str | None = None) -> dict[str, Any]:
         """Uploads the full chunks of a saved slot that the store lacks (the partial last chunk
-        is left out: only an identical prompt could use it). Returns what was done."""
+        is left out: only an identical prompt could use it). Returns what was done. `lossy`: the
+        worst level the slot's K/V was restored at (then no better level is written: under its
+        tokens' keys it would pass for their exact K/V)."""
+        levels = tuple(lv for lv in self.levels if lossy is None or not _better(lv, lossy))
+        if not levels:
+            raise UnsupportedFormatError(
+                f"the slot holds K/V restored at {lossy}: stored at {', '.join(self.levels)} it would pass "
+                "for the exact K/V of its tokens"
+            )
         tokens, state = slot_file_to_seq_buffer(slot_file)
         full = (int(tokens.size) // self.chunk_tokens) * self.chunk_tokens
         if full == 0:
@@ -397,7 +407,7 @@ class Sharing:
         start = time.perf_counter()
         try:
             present, level_bytes = chunks._save_chunks(
-                store, uploads, manifest, state, "seq_buffer", self.levels, self.threads
+                store, uploads, manifest, state, "seq_buffer", levels, self.threads
             )
             uploads.finish()
         finally:
@@ -419,12 +429,24 @@ class Sharing:
 # ---- the HTTP proxy -----------------------------------------------------------------------------
 
 
+def _better(level: str, than: str) -> bool:
+    return chunks.PREFERENCE.index(level) < chunks.PREFERENCE.index(than)
+
+
 @dataclass
 class _Slot:
     id: int
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intc))  # known held prefix
     used: float = 0.0
+    restored: np.ndarray | None = None  # the tokens of its last restore that put lossy K/V in it
+    lossy: tuple[int, str] | None = None  # ... from which position, at which worst level
+
+    def lossy_level(self, tokens: np.ndarray) -> str | None:
+        """The worst level of restored lossy K/V that a slot holding `tokens` still uses."""
+        if self.restored is None or self.lossy is None:
+            return None
+        return self.lossy[1] if common_prefix(self.restored, tokens) > self.lossy[0] else None
 
 
 @dataclass
@@ -752,7 +774,7 @@ class Proxy:
             await self._call("POST", f"/slots/{slot.id}?action=restore", {"filename": name})
         except (CacheGenError, OSError) as exc:
             self.stats.restore_failures += 1
-            slot.tokens = slot.tokens[:0]  # a failed restore clears the slot
+            slot.tokens, slot.restored = slot.tokens[:0], None  # a failed restore clears the slot
             log.warning(
                 "slot %d: restore of %d tokens refused (%s): computed instead", slot.id, loaded.positions, exc
             )
@@ -761,6 +783,7 @@ class Proxy:
             with contextlib.suppress(OSError):
                 path.unlink()
         slot.tokens = tokens[: loaded.positions].copy()
+        slot.restored, slot.lossy = slot.tokens, loaded.lossy
         self.stats.restores += 1
         self.stats.restored_tokens += loaded.positions
         self.stats.bytes_read += loaded.bytes_read
@@ -794,7 +817,7 @@ class Proxy:
     async def _after(self, slot: _Slot, tokens: np.ndarray, covered: int, tail: bytes) -> None:
         """After a response: remember what the slot holds; save and upload it unless the store
         already has every full chunk of it. Holds the slot until the save is done."""
-        data = None
+        data, lossy = None, None
         try:
             slot.tokens = tokens
             timings = _timings(tail)
@@ -809,6 +832,7 @@ class Proxy:
                     data = await self._save_slot(slot.id)
                     self.stats.saves += 1
                     slot.tokens, _ = read_slot_file(data)
+                    lossy = slot.lossy_level(slot.tokens)  # while the slot is held
         except (CacheGenError, OSError) as exc:
             log.warning("slot %d: save failed (%s)", slot.id, exc)
         finally:
@@ -817,7 +841,9 @@ class Proxy:
             return
         self.stats.pending_uploads += 1
         try:
-            done = await asyncio.get_running_loop().run_in_executor(self._uploader, self.sharing.upload, data)
+            done = await asyncio.get_running_loop().run_in_executor(
+                self._uploader, self.sharing.upload, data, lossy
+            )
         except (UnsupportedFormatError, CorruptDataError) as exc:  # a slot that cannot be shared
             self.stats.upload_errors += 1
             log.warning("slot %d: not uploaded: %s", slot.id, exc)

@@ -1042,7 +1042,11 @@ def load_streaming(
             t2 = time.perf_counter()
             if buffered:
                 assert loader.state is not None
-                restore_context(llm, loader.state, target, tokens, m.meta.logits)
+                lossy = None
+                for rec in loader.records:
+                    if rec.level not in (TEXT, "lossless"):
+                        lossy = chunks.worse_load(lossy, rec.begin, rec.level)
+                restore_context(llm, loader.state, target, tokens, m.meta.logits, lossy)
             else:
                 set_tokens(llm, target, tokens)
         except BaseException:
