@@ -846,6 +846,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[1:] if argv[:1] == ["_demo-worker"] else argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # the reader left (`inspect ... | head`): quietly, as the Python docs do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for Python's flush at exit
+        return 1
     except (CacheGenError, OSError) as exc:
         print(f"llama-cachegen {args.command}: error: {_message(exc)}", file=sys.stderr)
         return 1
