@@ -122,6 +122,23 @@ def _room_for_three_and_a_half(
     return cache, entry
 
 
+def test_kv_loaded_at_a_worse_level_is_not_cached_at_a_better_one(tmp_path: Path) -> None:
+    """A context loaded at balanced, then given a lossless prompt cache: its K/V stored as the
+    lossless chunks of its tokens would pass for exact (llama.lossy_level_anywhere). A balanced
+    cache stores it as before."""
+    llm = _llama()
+    prompt = " ".join(sample_text("gfdl-1.3.txt").split()[:60])
+    llm.eval(llm.tokenize(prompt.encode()))
+    llm.save_compressed_state(tmp_path / "ctx.lcg", level="balanced")
+    other = _llama()
+    other.load_compressed_state(tmp_path / "ctx.lcg")
+    for level, stored in (("lossless", False), ("balanced", True)):
+        cache = CompressedStateCache(tmp_path / level, level=level, chunk_tokens=C)
+        other.set_cache(cache)
+        other.create_completion(prompt + " and", max_tokens=1, temperature=0.0)
+        assert bool(_chunk_objects(cache)) == stored, level
+
+
 def test_eviction_keeps_the_byte_capacity_and_is_lru(
     tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
 ) -> None:

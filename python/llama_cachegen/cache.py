@@ -29,6 +29,7 @@ from .llama import (
     fingerprint_key,
     has_kv_cache,
     has_recurrent_state,
+    lossy_level_anywhere,
     model_fingerprint,
 )
 from .model import cache_dir
@@ -230,10 +231,11 @@ class CompressedStateCache(BaseLlamaCache):
         if self._no_kv:
             return
         if self._recurrent:
-            self._put_snapshot(value, fingerprint)
+            if not self._holds_worse(value):
+                self._put_snapshot(value, fingerprint)
             return
-        if n < self.chunk_tokens:
-            return  # no complete chunk
+        if n < self.chunk_tokens or self._holds_worse(value):
+            return  # no complete chunk, or K/V that would pass for better than it is
         state = bytes(value.llama_state[: value.llama_state_size])
         info = codec.inspect_state(state, "full_buffer")
         if not info["chunkable"] or info["positions"] != (0, n):
@@ -258,6 +260,14 @@ class CompressedStateCache(BaseLlamaCache):
         finally:
             uploads.close()
         self._evict()
+
+    def _holds_worse(self, value: llama_cpp.llama.LlamaState) -> bool:
+        """Whether the state holds K/V this library loaded at a level worse than the cache's (or
+        computed on top of it; llama.lossy_level_anywhere: the state does not name its context):
+        stored under its tokens at the cache's level, it would pass for K/V of that level."""
+        tokens = np.asarray(value.input_ids[: int(value.n_tokens)], np.intc)
+        worst = lossy_level_anywhere(tokens)
+        return worst is not None and chunks.PREFERENCE.index(worst) > chunks.PREFERENCE.index(self.level)
 
     def _put_snapshot(self, value: llama_cpp.llama.LlamaState, fingerprint: dict[str, Any]) -> None:
         """The whole context, one container, unless stored already."""

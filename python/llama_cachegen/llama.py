@@ -470,11 +470,21 @@ def load_compressed_state(
     )
 
 
+_LEVEL_ORDER = tuple(codec.LEVELS)  # best first
+
+
 @dataclass(frozen=True)
 class _LossyLoad:
     tokens: np.ndarray  # what the load restored
     exact_until: int  # its K/V from this position on came from a lossy level
     level: str  # the worst level loaded
+
+    def held_by(self, tokens: np.ndarray) -> bool:
+        """Whether a context holding `tokens` still uses this load's lossy K/V (or K/V computed
+        on top of it): they share more than the exact positions."""
+        n = min(self.tokens.size, tokens.size)
+        differ = np.flatnonzero(self.tokens[:n] != tokens[:n])
+        return (int(differ[0]) if differ.size else n) > self.exact_until
 
 
 # Per context and sequence (the whole context and sequence 0 share llama-cpp-python's token list):
@@ -489,12 +499,16 @@ def lossy_level(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) ->
     the exact K/V of those tokens. (Tokens evaluated again from scratch after `reset()` still
     count: the record follows the tokens, not llama.cpp's cells.)"""
     record = _lossy_loads.get(llm, {}).get(target or 0)
-    if record is None:
-        return None
-    n = min(record.tokens.size, tokens.size)
-    differ = np.flatnonzero(record.tokens[:n] != tokens[:n])
-    same = int(differ[0]) if differ.size else n
-    return record.level if same > record.exact_until else None
+    return record.level if record is not None and record.held_by(tokens) else None
+
+
+def lossy_level_anywhere(tokens: np.ndarray) -> str | None:
+    """lossy_level over every context's record, for callers handed a state without its context
+    (a prompt cache): the worst level any of them holds for these tokens (another context that
+    loaded the same tokens lossy counts too: a caution, never a wrong answer)."""
+    records = [r for per_target in list(_lossy_loads.values()) for r in list(per_target.values())]
+    held = [r.level for r in records if r.held_by(tokens)]
+    return max(held, key=_LEVEL_ORDER.index, default=None)
 
 
 def restore_context(
