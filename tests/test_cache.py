@@ -139,6 +139,22 @@ def test_kv_loaded_at_a_worse_level_is_not_cached_at_a_better_one(tmp_path: Path
         assert bool(_chunk_objects(cache)) == stored, level
 
 
+def test_a_store_that_fails_never_fails_the_completion(tmp_path: Path) -> None:
+    """A Redis store nobody listens on: every lookup is a miss and every save is skipped, with a
+    warning; the completion is returned as without a cache."""
+    from llama_cachegen.server import free_port
+
+    prompt = " ".join(sample_text("gfdl-1.3.txt").split()[:40])
+    plain = _llama().create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"]
+    llm = _llama()
+    cache = CompressedStateCache(f"redis://127.0.0.1:{free_port()}/0", level="balanced", chunk_tokens=C)
+    llm.set_cache(cache)
+    assert llm.create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"] == plain
+    llm.reset()
+    assert llm.create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"] == plain
+    assert (cache.hits, cache.misses) == (0, 2)
+
+
 def test_eviction_keeps_the_byte_capacity_and_is_lru(
     tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
 ) -> None:

@@ -152,6 +152,26 @@ def test_a_lossy_load_is_never_stored_as_exact_chunks(
     assert capture_state(fresh, None) == original["state"]
 
 
+def test_a_keyed_save_writes_over_objects_it_cannot_verify(
+    original: dict[str, Any], loader: Llama, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Objects written without the key (or with another) are not the keyed writer's to keep: a
+    keyed save that skipped them as present could never be loaded by a keyed reader."""
+    _set(loader, original["state"], original["prefix"])
+    chunks.load_chunked(loader, original["root"] / "c256" / "ctx", level="lossless")  # exact, recorded
+    store = tmp_path / "store"
+    monkeypatch.setenv("LLAMA_CACHEGEN_KEY", "other")
+    chunks.save_chunked(loader, store / "a", levels=["lossless"])
+    monkeypatch.delenv("LLAMA_CACHEGEN_KEY")
+    chunks.save_chunked(loader, store / "b", levels=["lossless"])  # untagged: writes nothing new
+    monkeypatch.setenv("LLAMA_CACHEGEN_KEY", "mine")
+    again = chunks.save_chunked(loader, store / "c", levels=["lossless"])
+    assert again.objects_written >= 5 + 2  # every chunk, the statistics and the skeleton
+    fresh = _llama(logits_all=True)
+    chunks.load_chunked(fresh, store / "c", level="lossless")
+    assert capture_state(fresh, None) == original["state"]
+
+
 def test_mixed_assembly_of_decoded_and_computed_chunks(original: dict[str, Any], loader: Llama) -> None:
     """Chunks 2 and the last are computed by llama.cpp on top of the assembled chunks before them
     and spliced in; the rest are decoded. The result continues like the original."""

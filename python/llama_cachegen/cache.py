@@ -13,6 +13,8 @@ the fingerprint, so different models or KV layouts never meet.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from .llama import (
 from .model import cache_dir
 from .stores import Store, open_store
 
+_log = logging.getLogger("llama_cachegen.cache")
 SNAPSHOTS = f"{chunks.PREFIX}snapshots/"  # whole contexts of models with a recurrent state
 
 
@@ -150,16 +153,26 @@ class CompressedStateCache(BaseLlamaCache):
         match.positions = match.chunks * c
         return match
 
+    def _lookup(self, key: Sequence[int]) -> chunks.PrefixMatch:
+        """_match, with a store that fails (down, unreadable) a miss, warned: the cache never
+        fails the completion it serves."""
+        self._bound()  # a cache without its model is the caller's error: raised
+        try:
+            return self._match(key)
+        except (CacheGenError, OSError) as exc:
+            _log.warning("prompt cache: lookup failed, a miss: %s", exc)
+            return chunks.PrefixMatch(self.chunk_tokens, 0, 0, [], [])
+
     def _find_longest_prefix_key(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
-        match = self._match(key)
+        match = self._lookup(key)
         return tuple(key[: match.positions]) if match.chunks else None
 
     def __contains__(self, key: Sequence[int]) -> bool:
-        return self._match(key).chunks > 0
+        return self._lookup(key).chunks > 0
 
     def __getitem__(self, key: Sequence[int]) -> llama_cpp.llama.LlamaState:
         fingerprint = self._bound()
-        match = self._match(key)
+        match = self._lookup(key)
         if not match.chunks:
             self.misses += 1
             raise KeyError("no cached prefix")
@@ -187,8 +200,9 @@ class CompressedStateCache(BaseLlamaCache):
             self._drop(match)
             self.misses += 1
             raise KeyError(f"unusable cached prefix: {exc}") from exc
-        for key_used in used:  # the LRU clock of everything the hit needed
-            self.store.touch(key_used)
+        for key_used in used:  # the LRU clock of everything the hit needed (best effort: a
+            with contextlib.suppress(OSError, CacheGenError):  # read-only store still serves hits)
+                self.store.touch(key_used)
         self.hits += 1
         input_ids = np.zeros(self._n_ctx or prefix.size, dtype=np.intc)
         input_ids[: prefix.size] = prefix
@@ -217,7 +231,8 @@ class CompressedStateCache(BaseLlamaCache):
 
     def _drop(self, match: chunks.PrefixMatch) -> None:
         for k in match.keys:
-            self.store.delete(k if self._recurrent else chunks._chunk_key(k, self.level))
+            with contextlib.suppress(CacheGenError, OSError):  # a store that fails: the miss stands
+                self.store.delete(k if self._recurrent else chunks._chunk_key(k, self.level))
 
     def _discard(self, match: chunks.PrefixMatch) -> None:
         """A prefix llama.cpp refused after all (see llama_cachegen.Llama.load_state): a miss."""
@@ -226,7 +241,15 @@ class CompressedStateCache(BaseLlamaCache):
         self.misses += 1
 
     def __setitem__(self, key: Sequence[int], value: llama_cpp.llama.LlamaState) -> None:
-        fingerprint = self._bound()
+        """Stores the state's complete chunks the store lacks. A store that fails (full, read-only,
+        down) loses the cache entry, never the completion llama-cpp-python is returning: warned."""
+        fingerprint = self._bound()  # a cache without its model is the caller's error: raised
+        try:
+            self._store_state(value, fingerprint)
+        except (CacheGenError, OSError) as exc:
+            _log.warning("prompt cache: state not stored: %s", exc)
+
+    def _store_state(self, value: llama_cpp.llama.LlamaState, fingerprint: dict[str, Any]) -> None:
         n = int(value.n_tokens)
         if self._no_kv:
             return
@@ -274,7 +297,7 @@ class CompressedStateCache(BaseLlamaCache):
         n = int(value.n_tokens)
         tokens = np.asarray(value.input_ids[:n], np.intc)
         key = self._snapshot_key(tokens)
-        if n == 0 or self.store.exists(key):
+        if n == 0 or self.store.has(key):
             return
         meta = StateMeta(fingerprint, "all", None, len(value.input_ids), tokens).pack()
         state = bytes(value.llama_state[: value.llama_state_size])

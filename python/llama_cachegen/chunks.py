@@ -461,7 +461,7 @@ def save_chunked(
 
 def _put_missing(store: stores.Store, uploads: _Uploads, key: str, data: bytes) -> bool:
     """Uploads a content-addressed object unless the store has it; True when it was there."""
-    if store.exists(key):
+    if store.has(key):
         return True
     uploads.put(key, data)
     return False
@@ -516,7 +516,7 @@ def _save_chunks(
     fp_key = fingerprint_key(fingerprint)
     level_bytes: dict[str, int] = {}
     for level in levels:
-        missing = [i for i, key in enumerate(keys) if not store.exists(_chunk_key(key, level))]
+        missing = [i for i, key in enumerate(keys) if not store.has(_chunk_key(key, level))]
         present += len(keys) - len(missing)
         for i in set(range(len(keys))) - set(missing):
             manifest.chunks[i].sizes[level] = None  # stored by an earlier save: never re-encoded

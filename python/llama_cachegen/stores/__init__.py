@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import AuthenticationError, InvalidArgumentError
+from ..errors import AuthenticationError, EntryNotFoundError, InvalidArgumentError
 
 KEY_ENV = "LLAMA_CACHEGEN_KEY"
 TAG_MAGIC = b"LCGTAG\x00\x01"
@@ -135,6 +135,18 @@ class Store(ABC):
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...
+
+    def has(self, key: str) -> bool:
+        """Whether `get(key)` would return a value: existence, and with a key configured a valid
+        tag (the object is read). Content-addressed writers keep what `has`: an untagged object,
+        or one of another key, must be written over, or every keyed load of it fails."""
+        if self.auth_key is None:
+            return self.exists(key)
+        try:
+            self.get(key)
+        except (EntryNotFoundError, AuthenticationError):
+            return False
+        return True
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[EntryInfo]:
