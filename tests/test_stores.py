@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,6 +93,32 @@ sys.stdin.readline()
 store.put("entry.bin", bytes(range(256)) * (int(sys.argv[2]) // 256))
 print("done", flush=True)
 """
+
+
+def test_a_server_that_stops_answering_is_asked_once() -> None:
+    """A read timeout is not retried (the server took the request and stayed silent for the whole
+    timeout); a frozen store held a load three timeouts long."""
+    from llama_cachegen.stores.http import HttpStore
+
+    with socket.create_server(("127.0.0.1", 0)) as wedged:  # accepts, reads, never answers
+        wedged.settimeout(5.0)
+        held = []
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    held.append(wedged.accept()[0])
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        store = HttpStore(f"http://127.0.0.1:{wedged.getsockname()[1]}", auth_key="", timeout=0.5)
+        with pytest.raises(StoreError, match="timed out"):
+            store.get("x")
+        store.close()
+        time.sleep(0.2)
+        assert len(held) == 1  # one connection, one request: no retry
+        for conn in held:
+            conn.close()
 
 
 def test_killed_file_writer_leaves_no_torn_entry(tmp_path: Path) -> None:

@@ -82,6 +82,17 @@ class _Reader:
         self.cancelled = False  # closed while its request waited for the reply (or was retried)
 
 
+class _Retry(urllib3.Retry):
+    """urllib3's retries, but not after a read timeout: the server took the request and did not
+    answer for the whole timeout; trying again would triple the wait (a frozen server held a
+    load 3 minutes)."""
+
+    def increment(self, *args: Any, **kwargs: Any) -> urllib3.Retry:
+        if isinstance(kwargs.get("error"), urllib3.exceptions.ReadTimeoutError):
+            raise kwargs["error"]
+        return super().increment(*args, **kwargs)
+
+
 class HttpStore(Store):
     def __init__(
         self,
@@ -109,7 +120,7 @@ class HttpStore(Store):
         self._pool = urllib3.PoolManager(
             maxsize=4,
             timeout=urllib3.Timeout(connect=connect_timeout, read=timeout),
-            retries=urllib3.Retry(total=2, redirect=False, raise_on_status=False),
+            retries=_Retry(total=2, redirect=False, raise_on_status=False),
         )
 
     def tag_name(self, key: str) -> str:
