@@ -24,9 +24,10 @@ import numpy as np
 from llama_cpp.llama_cache import BaseLlamaCache
 
 from . import chunks, codec
-from .errors import CacheGenError, CorruptDataError, EntryNotFoundError, InvalidArgumentError
+from .errors import CacheGenError, CorruptDataError, EntryNotFoundError, InvalidArgumentError, StoreError
 from .llama import (
     StateMeta,
+    better_level,
     check_fingerprint,
     fingerprint_key,
     has_kv_cache,
@@ -156,10 +157,9 @@ class CompressedStateCache(BaseLlamaCache):
     def _lookup(self, key: Sequence[int]) -> chunks.PrefixMatch:
         """_match, with a store that fails (down, unreadable) a miss, warned: the cache never
         fails the completion it serves."""
-        self._bound()  # a cache without its model is the caller's error: raised
         try:
             return self._match(key)
-        except (CacheGenError, OSError) as exc:
+        except (StoreError, OSError) as exc:  # not a cache without its model: that is raised
             _log.warning("prompt cache: lookup failed, a miss: %s", exc)
             return chunks.PrefixMatch(self.chunk_tokens, 0, 0, [], [])
 
@@ -290,7 +290,7 @@ class CompressedStateCache(BaseLlamaCache):
         stored under its tokens at the cache's level, it would pass for K/V of that level."""
         tokens = np.asarray(value.input_ids[: int(value.n_tokens)], np.intc)
         worst = lossy_level_anywhere(tokens)
-        return worst is not None and chunks.PREFERENCE.index(worst) > chunks.PREFERENCE.index(self.level)
+        return worst is not None and better_level(self.level, worst)
 
     def _put_snapshot(self, value: llama_cpp.llama.LlamaState, fingerprint: dict[str, Any]) -> None:
         """The whole context, one container, unless stored already."""

@@ -51,6 +51,7 @@ from .llama import (
     StateMeta,
     _seq_id_ok,
     _state_array,
+    better_level,
     capture_meta,
     check_fingerprint,
     fingerprint_key,
@@ -415,7 +416,7 @@ def save_chunked(
     info = codec.inspect_state(state, kind)
     n = int(meta.tokens.size)
     lossy = lossy_level(llm, seq_id, meta.tokens)
-    better = [lv for lv in levels if lossy is not None and PREFERENCE.index(lv) < PREFERENCE.index(lossy)]
+    better = [lv for lv in levels if lossy is not None and better_level(lv, lossy)]
     if not info["chunkable"]:
         fallback = "the state is not one sequence at positions 0..n-1 (several sequences, SWA or empty)"
     elif info["positions"] != (0, n):
@@ -702,7 +703,7 @@ def worse_load(lossy: tuple[int, str] | None, begin: int, level: str) -> tuple[i
     """`lossy` (first position of lossy K/V, worst level) after a chunk at `begin` of `level`."""
     if lossy is None:
         return begin, level
-    return min(lossy[0], begin), max(lossy[1], level, key=PREFERENCE.index)
+    return min(lossy[0], begin), level if better_level(lossy[1], level) else lossy[1]
 
 
 def _candidates(sizes: dict[str, Any], level: str | None, index: int) -> tuple[str, ...]:

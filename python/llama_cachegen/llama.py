@@ -473,8 +473,13 @@ def load_compressed_state(
 _LEVEL_ORDER = tuple(codec.LEVELS)  # best first
 
 
+def better_level(level: str, than: str) -> bool:
+    """Whether `level` keeps more than `than` (lossless > high > balanced > compact)."""
+    return _LEVEL_ORDER.index(level) < _LEVEL_ORDER.index(than)
+
+
 @dataclass(frozen=True)
-class _LossyLoad:
+class LossyLoad:
     tokens: np.ndarray  # what the load restored
     exact_until: int  # its K/V from this position on came from a lossy level
     level: str  # the worst level loaded
@@ -489,7 +494,7 @@ class _LossyLoad:
 
 # Per context and sequence (the whole context and sequence 0 share llama-cpp-python's token list):
 # the last load that put lossy K/V in it. Content-addressed saves consult it (lossy_level).
-_lossy_loads: weakref.WeakKeyDictionary[llama_cpp.Llama, dict[int, _LossyLoad]] = weakref.WeakKeyDictionary()
+_lossy_loads: weakref.WeakKeyDictionary[llama_cpp.Llama, dict[int, LossyLoad]] = weakref.WeakKeyDictionary()
 
 
 def lossy_level(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) -> str | None:
@@ -507,8 +512,7 @@ def lossy_level_anywhere(tokens: np.ndarray) -> str | None:
     (a prompt cache): the worst level any of them holds for these tokens (another context that
     loaded the same tokens lossy counts too: a caution, never a wrong answer)."""
     records = [r for per_target in list(_lossy_loads.values()) for r in list(per_target.values())]
-    held = [r.level for r in records if r.held_by(tokens)]
-    return max(held, key=_LEVEL_ORDER.index, default=None)
+    return max((r.level for r in records if r.held_by(tokens)), key=_LEVEL_ORDER.index, default=None)
 
 
 def restore_context(
@@ -547,7 +551,7 @@ def restore_context(
     if lossy is None:
         records.pop(target or 0, None)
     else:
-        records[target or 0] = _LossyLoad(np.array(tokens, dtype=np.intc), *lossy)
+        records[target or 0] = LossyLoad(np.array(tokens, dtype=np.intc), *lossy)
 
 
 def _put_back(

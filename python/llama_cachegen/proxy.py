@@ -54,7 +54,7 @@ from aiohttp import web
 
 from . import chunks, codec, stores
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, UnsupportedFormatError
-from .llama import FINGERPRINT_FIELDS, StateMeta, _model_hash
+from .llama import FINGERPRINT_FIELDS, LossyLoad, StateMeta, _model_hash, better_level
 from .quality import GGML_TYPES
 from .stores.http import TOKEN_ENV, bearer_ok, is_loopback, load_token
 
@@ -366,7 +366,7 @@ class Sharing:
         is left out: only an identical prompt could use it). Returns what was done. `lossy`: the
         worst level the slot's K/V was restored at (then no better level is written: under its
         tokens' keys it would pass for their exact K/V)."""
-        levels = tuple(lv for lv in self.levels if lossy is None or not _better(lv, lossy))
+        levels = tuple(lv for lv in self.levels if lossy is None or not better_level(lv, lossy))
         if not levels:
             raise UnsupportedFormatError(
                 f"the slot holds K/V restored at {lossy}: stored at {', '.join(self.levels)} it would pass "
@@ -429,24 +429,13 @@ class Sharing:
 # ---- the HTTP proxy -----------------------------------------------------------------------------
 
 
-def _better(level: str, than: str) -> bool:
-    return chunks.PREFERENCE.index(level) < chunks.PREFERENCE.index(than)
-
-
 @dataclass
 class _Slot:
     id: int
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intc))  # known held prefix
     used: float = 0.0
-    restored: np.ndarray | None = None  # the tokens of its last restore that put lossy K/V in it
-    lossy: tuple[int, str] | None = None  # ... from which position, at which worst level
-
-    def lossy_level(self, tokens: np.ndarray) -> str | None:
-        """The worst level of restored lossy K/V that a slot holding `tokens` still uses."""
-        if self.restored is None or self.lossy is None:
-            return None
-        return self.lossy[1] if common_prefix(self.restored, tokens) > self.lossy[0] else None
+    lossy: LossyLoad | None = None  # its last restore, when it put lossy K/V in it
 
 
 @dataclass
@@ -774,7 +763,7 @@ class Proxy:
             await self._call("POST", f"/slots/{slot.id}?action=restore", {"filename": name})
         except (CacheGenError, OSError) as exc:
             self.stats.restore_failures += 1
-            slot.tokens, slot.restored = slot.tokens[:0], None  # a failed restore clears the slot
+            slot.tokens, slot.lossy = slot.tokens[:0], None  # a failed restore clears the slot
             log.warning(
                 "slot %d: restore of %d tokens refused (%s): computed instead", slot.id, loaded.positions, exc
             )
@@ -783,7 +772,7 @@ class Proxy:
             with contextlib.suppress(OSError):
                 path.unlink()
         slot.tokens = tokens[: loaded.positions].copy()
-        slot.restored, slot.lossy = slot.tokens, loaded.lossy
+        slot.lossy = LossyLoad(slot.tokens, *loaded.lossy) if loaded.lossy else None
         self.stats.restores += 1
         self.stats.restored_tokens += loaded.positions
         self.stats.bytes_read += loaded.bytes_read
@@ -832,7 +821,8 @@ class Proxy:
                     data = await self._save_slot(slot.id)
                     self.stats.saves += 1
                     slot.tokens, _ = read_slot_file(data)
-                    lossy = slot.lossy_level(slot.tokens)  # while the slot is held
+                    if slot.lossy is not None and slot.lossy.held_by(slot.tokens):  # while it is held
+                        lossy = slot.lossy.level
         except (CacheGenError, OSError) as exc:
             log.warning("slot %d: save failed (%s)", slot.id, exc)
         finally:
