@@ -282,7 +282,8 @@ def test_values_at_the_edge_of_f16_never_decode_to_inf(level: str, transform: st
 
 # 512 symbols per stream in slices of 96: five full slices and a short one.
 GOLDEN_SLICE = 96
-GOLDEN_VERSION = 3
+GOLDEN_VERSION = 4
+GOLDEN_LEVELS = ["lossless", "high", "balanced"]
 
 
 def golden_state() -> bytes:
@@ -294,10 +295,10 @@ def golden_container(level: str) -> bytes:
     return lcg.encode(golden_state(), level, threads=1, slice_elements=GOLDEN_SLICE)
 
 
-@pytest.mark.parametrize("level", ["lossless", "balanced"])
+@pytest.mark.parametrize("level", GOLDEN_LEVELS)
 def test_golden_containers_still_decode(level: str) -> None:
-    """Containers written by format version 3 decode to the same bytes forever, and the encoder
-    still writes exactly them (the scalar and SIMD paths, any thread count)."""
+    """Containers written by format version 4 decode to the same bytes forever, and the encoder
+    still writes exactly them (the scalar and SIMD paths, any thread count); `high` codes raw bits."""
     blob = (DATA / f"golden-v{GOLDEN_VERSION}-{level}.lcg").read_bytes()
     expected = (DATA / f"golden-v{GOLDEN_VERSION}-{level}.state").read_bytes()
     assert lcg.version()[1] == GOLDEN_VERSION
@@ -307,11 +308,11 @@ def test_golden_containers_still_decode(level: str) -> None:
         assert expected == golden_state()
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("level", ["lossless", "balanced"])
 def test_older_versions_are_refused_clearly(version: int, level: str) -> None:
     blob = (DATA / f"golden-v{version}-{level}.lcg").read_bytes()
-    expected = f"version {version}; this library reads version 3 .*encode the state again"
+    expected = f"version {version}; this library reads version 4 .*encode the state again"
     for call in (lcg.decode, lcg.inspect, lcg.decoded_size, lcg.user_meta):
         with pytest.raises(lcg.UnsupportedVersionError, match=expected):
             call(blob)
@@ -355,6 +356,19 @@ def test_unknown_transforms_are_refused(transform: int) -> None:
     struct.pack_into("<H", blob, off + 2, transform)
     with pytest.raises(lcg.CorruptDataError, match="transform"):
         lcg.decode(reseal(blob))
+
+
+def test_raw_bits_are_checked() -> None:
+    """`high` sends two low bits of each q raw; a stats section that claims more than 4, or another
+    count than its slices hold, is refused (checksums resealed), never decoded as something else."""
+    blob = golden_container("high")
+    _, _, off, _ = next(s for s in sections(blob) if s[0] == 5)  # u8 coding, u8 group, u16 transform
+    assert blob[off + 4] == 2
+    for raw_bits, match in [(5, "raw bits"), (0, None), (1, None), (4, None)]:
+        bad = bytearray(blob)
+        bad[off + 4] = raw_bits
+        with pytest.raises(lcg.CorruptDataError, match=match):
+            lcg.decode(reseal(bad))
 
 
 def test_golden_bad_containers_fail() -> None:

@@ -238,7 +238,7 @@ def test_inspect_reports_layout_and_sizes(state_fa_off: bytes) -> None:
 
 
 def test_versions_are_pinned() -> None:
-    assert lcg.version() == (300, 3)
+    assert lcg.version() == (400, 4)
 
 
 def test_simd_and_scalar_paths_write_the_same_bytes(state_fa_off: bytes, tmp_path: Path) -> None:

@@ -36,7 +36,7 @@
 
 /* Library version (the container format has its own version: LCG_FORMAT_VERSION). */
 #define LCG_VERSION_MAJOR 0
-#define LCG_VERSION_MINOR 3
+#define LCG_VERSION_MINOR 4
 #define LCG_VERSION_PATCH 0
 #define LCG_VERSION_NUMBER (LCG_VERSION_MAJOR * 10000 + LCG_VERSION_MINOR * 100 + LCG_VERSION_PATCH)
 
@@ -337,7 +337,7 @@ LCG_API void lcg_device_last_timing(double * upload_s, double * kernels_s);
 #define LCG_MAX_STATE_SIZE  ((uint64_t) 1 << 40) /* 1 TiB decoded state                         */
 #define LCG_MAX_SECTIONS    (1u << 16)
 #define LCG_MAX_USER_META   ((size_t) 64 << 20)
-#define LCG_FORMAT_VERSION  3u
+#define LCG_FORMAT_VERSION  4u
 
 #ifdef __cplusplus
 }

@@ -323,6 +323,7 @@ uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions &
         // A tensor's symbols serve only its rows: freed now, the next tensor's reuse the memory
         // (all held at once they were half the state's size, fresh pages on every encode).
         enc[i].sym.reset();
+        enc[i].raw.reset();
         enc[i].escapes = {};
     });
     std::vector<SectionPayload> sections = state_sections(state, st, stored_knobs(opt));

@@ -198,6 +198,7 @@ struct DeviceSink : DecodeSink {
         t.unit_bytes = obj.unit_bytes;
         t.group_shift = log2_group(s.group);
         t.lossy = s.lossy;
+        t.raw_bits = s.raw_bits;
         t.aligned = (reinterpret_cast<uintptr_t>(dst) + dst_t.offset) % obj.unit_bytes == 0;
         const uint32_t ti = static_cast<uint32_t>(tensors.size());
         tensors.push_back(t);
@@ -225,10 +226,13 @@ struct DeviceSink : DecodeSink {
                 blocks.push_back({tables, static_cast<uint32_t>(slices.size()), static_cast<uint32_t>(last - first + 1)});
                 for (size_t k = first; k <= last; k++) {
                     const rans::Slice & sl = list[k];
-                    rans::open_stream(sl.data, sl.bytes);  // initial lane states, with the CPU's messages
+                    const size_t raw_bytes = rans::slice_raw_bytes(sl, s.raw_bits);
+                    // initial lane states, with the CPU's messages
+                    rans::open_stream(sl.data + raw_bytes, sl.bytes - raw_bytes);
                     cuda::SliceJob j{};
-                    j.src = static_cast<uint64_t>(sl.data - container);
-                    j.bytes = sl.bytes;
+                    j.raw = static_cast<uint64_t>(sl.data - container);
+                    j.src = j.raw + raw_bytes;
+                    j.bytes = sl.bytes - raw_bytes;
                     j.k0 = sl.k0;
                     j.k1 = sl.k1;
                     j.escapes = escapes;

@@ -101,12 +101,29 @@ LCG_HD inline uint16_t f32_to_bf16(float f) {
 
 // ---- dequantization -----------------------------------------------------------------------------
 
-// Symbol alphabet of a lossy group: q in [-127, 127] is symbol q + 128; symbol 0 escapes a larger
-// |q| (its value comes from the tensor's escape list).
+// Symbol alphabet of a lossy group: with raw_bits b, q = (s - 128) * 2^b + r for symbol s != 0 and
+// the element's b raw bits r (below); symbol 0 escapes a q out of that range (its value comes from
+// the tensor's escape list). At fine steps q's low bits are close to uniform: sent raw they cost
+// what coding them costs, and keep the alphabet (and the escapes) small.
 constexpr uint8_t SYM_ZERO = 128;
 constexpr uint8_t SYM_ESCAPE = 0;
+constexpr uint32_t MAX_RAW_BITS = 4;
 
-LCG_HD inline float symbol_q(uint32_t symbol) { return static_cast<float>(static_cast<int32_t>(symbol) - SYM_ZERO); }
+LCG_HD inline float symbol_q(uint32_t symbol, uint32_t raw_bits, uint32_t raw) {
+    return static_cast<float>((static_cast<int32_t>(symbol) - SYM_ZERO) * (1 << raw_bits) + static_cast<int32_t>(raw));
+}
+
+// Raw bits of a slice: element e (from the slice's first) has its b bits at bit e * b, low bits
+// first, in 4 * b bytes per 32 elements (the last 32 padded): that many bytes start the slice.
+LCG_HD inline uint64_t raw_bytes(uint64_t n_elements, uint32_t raw_bits) {
+    return 4ull * raw_bits * ((n_elements + LANES - 1) / LANES);
+}
+// The raw bits of element e; reads the two bytes from bit e * b (b <= MAX_RAW_BITS: within them).
+LCG_HD inline uint32_t raw_at(const uint8_t * raw, uint64_t e, uint32_t raw_bits) {
+    const uint64_t bit = e * raw_bits;
+    const uint32_t two = uint32_t(raw[bit >> 3]) | uint32_t(raw[(bit >> 3) + 1]) << 8;
+    return (two >> (bit & 7)) & ((1u << raw_bits) - 1);
+}
 
 // Reconstruction of q: mean + sign(q) (|q| - shrink) step, as exactly these float operations (a
 // subtraction, a multiply, an add; never fused) so that the scalar, SIMD and GPU decoders give the

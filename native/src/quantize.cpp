@@ -318,12 +318,19 @@ void f32_row_to_f16_scalar(const float * src, size_t n, uint8_t * dst) {
 // Rounds to nearest even without a libm call: exact for |v| < 2^22.
 inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
-void quantize_value(float r, uint32_t lane, uint32_t cell, uint8_t & s, ShrinkSum & shrink,
-                    std::vector<Escape> & escapes) {
+// Escapes: |q| > 127 * 2^raw_bits, i.e. |r| at or past this (the largest q a symbol holds, and a half).
+inline float escape_limit(uint32_t raw_bits) { return static_cast<float>(127 << raw_bits) + 0.5f; }
+
+void quantize_value(float r, uint32_t raw_bits, uint32_t lane, uint32_t cell, uint8_t & s, uint8_t * raw,
+                    ShrinkSum & shrink, std::vector<Escape> & escapes) {
     const float a = std::fabs(r);
-    if (a < 127.5f) {
+    if (a < escape_limit(raw_bits)) {
         const float qf = round_even(r);
-        s = static_cast<uint8_t>(static_cast<int32_t>(qf) + SYM_ZERO);
+        const int32_t q = static_cast<int32_t>(qf);
+        s = static_cast<uint8_t>((q >> raw_bits) + SYM_ZERO);  // a floor: the raw bits add up from it
+        if (raw) {
+            *raw = static_cast<uint8_t>(q & ((1 << raw_bits) - 1));
+        }
         if (qf != 0.0f) {
             shrink.fixed += static_cast<int32_t>(round_even((std::fabs(qf) - a) * 65536.0f));
             shrink.count++;
@@ -333,16 +340,21 @@ void quantize_value(float r, uint32_t lane, uint32_t cell, uint8_t & s, ShrinkSu
     const float clamped = std::min(a, 1e9f);
     const int64_t q = static_cast<int64_t>(std::nearbyint(r < 0 ? -clamped : clamped));
     s = SYM_ESCAPE;
+    if (raw) {
+        *raw = 0;  // not read: the escape list holds the whole q
+    }
     escapes.push_back({lane, cell, q});
     shrink.fixed += static_cast<int64_t>(std::nearbyint((static_cast<double>(std::llabs(q)) - a) * 65536.0));
     shrink.count++;
 }
 
 // One row (cell) of gn values; the scalar reference.
-void quantize_row_scalar(const float * v, uint32_t gn, const float * mean, const float * inv_step, uint32_t cell,
-                         uint8_t * out, ShrinkSum & shrink, std::vector<Escape> & escapes) {
+void quantize_row_scalar(const float * v, uint32_t gn, const float * mean, const float * inv_step, uint32_t raw_bits,
+                         uint32_t cell, uint8_t * out, uint8_t * raw, ShrinkSum & shrink,
+                         std::vector<Escape> & escapes) {
     for (uint32_t g = 0; g < gn; g++) {
-        quantize_value((v[g] - mean[g]) * inv_step[g], g, cell, out[g], shrink, escapes);
+        quantize_value((v[g] - mean[g]) * inv_step[g], raw_bits, g, cell, out[g], raw ? raw + g : nullptr, shrink,
+                       escapes);
     }
 }
 
@@ -362,10 +374,13 @@ __attribute__((target("avx2"), always_inline)) inline void flush_sums(__m256i & 
 // held in registers: a group is often a single vector per row (8 channels).
 __attribute__((target("avx2"))) void quantize_rows_avx2(const float * values, size_t n, uint32_t gn,
                                                          const float * mean, const float * inv_step,
-                                                         const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink,
+                                                         uint32_t raw_bits, const uint8_t * skip, uint8_t * sym,
+                                                         uint8_t * raw, ShrinkSum & shrink,
                                                          std::vector<Escape> & escapes) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 limit = _mm256_set1_ps(127.5f);
+    const __m256 limit = _mm256_set1_ps(escape_limit(raw_bits));
+    const __m128i shift = _mm_cvtsi32_si128(static_cast<int>(raw_bits));
+    const __m256i raw_mask = _mm256_set1_epi32((1 << raw_bits) - 1);
     const __m256 fixed_scale = _mm256_set1_ps(65536.0f);
     const __m256i bias = _mm256_set1_epi32(SYM_ZERO);
     // byte 0 of each 32-bit lane to the front of its 128-bit half, then the two halves together
@@ -388,8 +403,12 @@ __attribute__((target("avx2"))) void quantize_rows_avx2(const float * values, si
             flush_sums(acc, acc32, count, count32);
         }
         uint8_t * out = sym + i * gn;
+        uint8_t * out_raw = raw ? raw + i * gn : nullptr;
         if (skip[i]) {
             std::memset(out, SYM_ZERO, gn);
+            if (out_raw) {
+                std::memset(out_raw, 0, gn);
+            }
             continue;
         }
         const float * v = values + i * gn;
@@ -398,9 +417,15 @@ __attribute__((target("avx2"))) void quantize_rows_avx2(const float * values, si
             const __m256 a = _mm256_andnot_ps(sign, r);
             const __m256 escaped = _mm256_cmp_ps(a, limit, _CMP_NLT_UQ);
             const __m256 qf = _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(qf), bias);
+            const __m256i qi = _mm256_cvtps_epi32(qf);
+            const __m256i q = _mm256_add_epi32(_mm256_sra_epi32(qi, shift), bias);
             const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q, pick), join);
             _mm_storel_epi64(reinterpret_cast<__m128i *>(out + 8 * j), _mm256_castsi256_si128(bytes));
+            if (out_raw) {
+                const __m256i low = _mm256_and_si256(qi, raw_mask);
+                const __m256i raw_bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(low, pick), join);
+                _mm_storel_epi64(reinterpret_cast<__m128i *>(out_raw + 8 * j), _mm256_castsi256_si128(raw_bytes));
+            }
             const __m256 nonzero = _mm256_andnot_ps(escaped, _mm256_cmp_ps(qf, _mm256_setzero_ps(), _CMP_NEQ_OQ));
             const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_andnot_ps(sign, qf), a), fixed_scale);
             const __m256i fixed = _mm256_and_si256(
@@ -410,7 +435,8 @@ __attribute__((target("avx2"))) void quantize_rows_avx2(const float * values, si
             count32 = _mm256_sub_epi32(count32, _mm256_castps_si256(nonzero));  // a set lane is -1
             for (uint32_t e = static_cast<uint32_t>(_mm256_movemask_ps(escaped)); e != 0; e &= e - 1) {
                 const uint32_t k = 8 * j + static_cast<uint32_t>(__builtin_ctz(e));
-                quantize_value((v[k] - mean[k]) * inv_step[k], k, static_cast<uint32_t>(i), out[k], shrink, escapes);
+                quantize_value((v[k] - mean[k]) * inv_step[k], raw_bits, k, static_cast<uint32_t>(i), out[k],
+                               out_raw ? out_raw + k : nullptr, shrink, escapes);
             }
         }
     }
@@ -451,18 +477,27 @@ __attribute__((target("avx2,f16c"))) void f16_rows_to_f32_f16c(const uint8_t * s
 } // namespace
 
 void quantize_rows(const float * values, size_t n, uint32_t gn, const float * mean, const float * inv_step,
-                   const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink, std::vector<Escape> & escapes) {
+                   uint32_t raw_bits, const uint8_t * skip, uint8_t * sym, uint8_t * raw, ShrinkSum & shrink,
+                   std::vector<Escape> & escapes) {
+    if (!raw_bits) {
+        raw = nullptr;
+    }
 #if defined(__x86_64__)
     if (cpu_has_avx2 && gn % 8 == 0 && gn <= MAX_GROUP) {
-        return quantize_rows_avx2(values, n, gn, mean, inv_step, skip, sym, shrink, escapes);
+        return quantize_rows_avx2(values, n, gn, mean, inv_step, raw_bits, skip, sym, raw, shrink, escapes);
     }
 #endif
     for (size_t i = 0; i < n; i++) {
         uint8_t * out = sym + i * gn;
+        uint8_t * out_raw = raw ? raw + i * gn : nullptr;
         if (skip[i]) {
             std::memset(out, SYM_ZERO, gn);
+            if (out_raw) {
+                std::memset(out_raw, 0, gn);
+            }
         } else {
-            quantize_row_scalar(values + i * gn, gn, mean, inv_step, static_cast<uint32_t>(i), out, shrink, escapes);
+            quantize_row_scalar(values + i * gn, gn, mean, inv_step, raw_bits, static_cast<uint32_t>(i), out, out_raw,
+                                shrink, escapes);
         }
     }
 }

@@ -10,9 +10,8 @@
 
 namespace lcg {
 
-// Symbol alphabet of a lossy group: q in [-127, 127] is symbol q + 128; symbol 0 escapes a
-// larger |q|, whose value follows in the group's escape list.
-constexpr int32_t Q_MAX = 127;
+// Symbol alphabet of a lossy group (lanes.h): q = (s - 128) * 2^raw_bits + the element's raw bits;
+// symbol 0 escapes a q out of that range, whose value follows in the tensor's escape list.
 constexpr uint8_t SYM_ZERO = lanes::SYM_ZERO;
 constexpr uint8_t SYM_ESCAPE = lanes::SYM_ESCAPE;
 
@@ -86,7 +85,7 @@ inline void store_float(uint8_t * p, int32_t ggml_type, float v) {
 // Reconstruction of q, the same bits on every path (scalar, AVX2, CUDA): lanes.h.
 using lanes::dequant;
 
-// A value whose |q| > Q_MAX, coded as SYM_ESCAPE plus q in the group's escape list.
+// A value whose |q| > 127 * 2^raw_bits, coded as SYM_ESCAPE plus q in the tensor's escape list.
 struct Escape {
     uint32_t lane;
     uint32_t cell;
@@ -121,11 +120,13 @@ struct ShrinkSum {
 // Channels of one quantization group (one step, one table) at most.
 constexpr uint32_t MAX_GROUP = 32;
 
-// Quantizes n rows of gn values (row i = cell i, cell-major) to symbols with q = round(r),
-// r = (value - mean) / step, ties to even. Rows with skip[i] become SYM_ZERO. Uses AVX2 where the
-// CPU has it and gn is a multiple of 8; both paths give the same bytes.
+// Quantizes n rows of gn values (row i = cell i, cell-major) to symbols and (raw_bits > 0) one byte
+// of raw bits each, with q = round(r), r = (value - mean) / step, ties to even. Rows with skip[i]
+// become SYM_ZERO and raw 0, so do escapes' raw bits. Uses AVX2 where the CPU has it and gn is a
+// multiple of 8; both paths give the same bytes.
 void quantize_rows(const float * values, size_t n, uint32_t gn, const float * mean, const float * inv_step,
-                   const uint8_t * skip, uint8_t * sym, ShrinkSum & shrink, std::vector<Escape> & escapes);
+                   uint32_t raw_bits, const uint8_t * skip, uint8_t * sym, uint8_t * raw, ShrinkSum & shrink,
+                   std::vector<Escape> & escapes);
 
 // Converts n f16 values to float (F16C where the CPU has it).
 void f16_row_to_f32(const uint8_t * src, size_t n, float * dst);

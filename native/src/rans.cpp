@@ -149,7 +149,81 @@ __attribute__((target("avx2"))) void encode_steps_avx2(const SymbolMatrix & m, s
 
 } // namespace
 
+// Packs n raw-bit bytes (each below 2^b) into lanes::raw_bytes(n, b) bytes at out, element e at bit
+// e * b: 8 elements at a time into b bytes, by three shift-or-mask steps that close the gaps
+// between 1, 2 then 4 elements (out has 16 bytes of room past its end).
+namespace {
+
+#if defined(__x86_64__)
+// pack_raw_bits' 32 elements into 4b bytes at a time: pairs joined by multiply-adds, then 64-bit halves;
+// the two 128-bit halves' 2b bytes stored one after the other (16-byte stores: out has room).
+// Returns the elements done.
+__attribute__((target("avx2"))) size_t pack_raw_bits_avx2(const uint8_t * raw, size_t n, uint32_t b, uint8_t * out) {
+    const __m256i pair = _mm256_set1_epi16(static_cast<int16_t>(1 | (1 << b) << 8));  // bytes 1, 2^b
+    const __m256i quad = _mm256_set1_epi32(1 | (1 << 2 * b) << 16);                   // words 1, 2^2b
+    alignas(32) int8_t pick[32];  // per 128 bits: bytes 0..b-1 of each 64-bit half to the front
+    for (uint32_t j = 0; j < 32; j++) {
+        const uint32_t at = j % 16;
+        pick[j] = static_cast<int8_t>(at < b ? at : at < 2 * b ? 8 + at - b : -1);
+    }
+    const __m256i compact = _mm256_load_si256(reinterpret_cast<const __m256i *>(pick));
+    size_t e = 0;
+    for (; e + 32 <= n; e += 32) {
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(raw + e));
+        x = _mm256_madd_epi16(_mm256_maddubs_epi16(x, pair), quad);       // 4 elements per 32 bits
+        x = _mm256_or_si256(x, _mm256_srli_epi64(x, static_cast<int>(32 - 4 * b)));  // 8 per 64 bits
+        x = _mm256_shuffle_epi8(x, compact);
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(out + e / 8 * b), _mm256_castsi256_si128(x));
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(out + e / 8 * b + 2 * b), _mm256_extracti128_si256(x, 1));
+    }
+    return e;
+}
+#endif
+
+void pack_raw_bits(const uint8_t * raw, size_t n, uint32_t b, uint8_t * out) {
+    auto unit_mask = [](uint32_t bits, uint32_t unit) {  // the low `bits` of every `unit`-bit unit
+        uint64_t m = 0;
+        for (uint32_t at = 0; at < 64; at += unit) {
+            m |= ((uint64_t(1) << bits) - 1) << at;
+        }
+        return m;
+    };
+    const uint64_t m1 = unit_mask(2 * b, 16), m2 = unit_mask(4 * b, 32), m3 = unit_mask(8 * b, 64);
+    size_t e = 0;
+#if defined(__x86_64__)
+    if (cpu_has_avx2) {
+        e = pack_raw_bits_avx2(raw, n, b, out);
+    }
+#endif
+    for (; e + 8 <= n; e += 8) {
+        uint64_t x;
+        std::memcpy(&x, raw + e, 8);
+        x = (x | x >> (8 - b)) & m1;
+        x = (x | x >> (16 - 2 * b)) & m2;
+        x = (x | x >> (32 - 4 * b)) & m3;
+        std::memcpy(out + e / 8 * b, &x, 8);  // its b bytes; the rest is written over next
+    }
+    const size_t bytes = lanes::raw_bytes(n, b);
+    std::memset(out + e / 8 * b, 0, bytes - e / 8 * b);
+    for (; e < n; e++) {
+        const uint64_t bit = e * b;
+        out[bit >> 3] = static_cast<uint8_t>(out[bit >> 3] | raw[e] << (bit & 7));
+        if ((bit & 7) + b > 8) {
+            out[(bit >> 3) + 1] = static_cast<uint8_t>(out[(bit >> 3) + 1] | raw[e] >> (8 - (bit & 7)));
+        }
+    }
+}
+
+} // namespace
+
 void encode_slice(const SymbolMatrix & m, size_t k0, size_t k1, ByteWriter & w) {
+    if (m.raw_bits) {
+        const size_t bytes = lanes::raw_bytes(k1 - k0, m.raw_bits);
+        const size_t at = w.buf.size();
+        w.buf.resize(at + bytes + 16);
+        pack_raw_bits(m.raw + k0, k1 - k0, m.raw_bits, &w.buf[at]);
+        w.buf.resize(at + bytes);
+    }
     constexpr size_t SLACK = 8;  // the vector path stores 8 words below its cursor
     std::vector<uint16_t> words(SLACK + k1 - k0);
     uint16_t * const end = words.data() + words.size();
@@ -343,6 +417,13 @@ std::vector<Slice> read_slices(const uint8_t * data, size_t size, size_t n, bool
         p += sl.bytes;
     }
     return slices;
+}
+
+size_t slice_raw_bytes(const Slice & sl, uint32_t raw_bits) {
+    const size_t bytes = lanes::raw_bytes(sl.k1 - sl.k0, raw_bits);
+    LCG_CHECK(sl.bytes >= bytes + STATE_BYTES, LCG_ERR_CORRUPT,
+              "rANS slice of %zu bytes holds no %zu bytes of raw bits and lane states", sl.bytes, bytes);
+    return bytes;
 }
 
 Cursor open_stream(const uint8_t * data, size_t size) {

@@ -88,9 +88,12 @@ struct SymbolMatrix {
     size_t n_outer, n_inner;
     bool unit_is_outer;
     const EncTable * const * unit_table;
+    const uint8_t * raw = nullptr;  // raw_bits > 0: each element's raw bits, in the same order
+    uint32_t raw_bits = 0;
 };
 
-// Codes symbols [k0, k1) (k0 a multiple of 32) as one slice appended to w.
+// Codes symbols [k0, k1) (k0 a multiple of 32) as one slice appended to w, after their raw bits
+// (lanes::raw_bytes of them) when m has some.
 void encode_slice(const SymbolMatrix & m, size_t k0, size_t k1, ByteWriter & w);
 
 // Codes the whole matrix as a sliced stream (u32 slice_elements, directory, slices) appended to
@@ -106,6 +109,9 @@ struct Slice {
 };
 // Parses a sliced stream of n symbols of `size` bytes; throws LCG_ERR_CORRUPT on a malformed one.
 std::vector<Slice> read_slices(const uint8_t * data, size_t size, size_t n, bool with_counts);
+// The bytes of raw bits that start slice sl of a stream with raw_bits (lanes::raw_bytes); throws
+// LCG_ERR_CORRUPT when the slice cannot hold them and its lane states.
+size_t slice_raw_bytes(const Slice & sl, uint32_t raw_bits);
 
 // A stream being decoded: lane states and the word cursor, bounds-checked.
 struct Cursor {

@@ -277,9 +277,9 @@ float decoded_value(int32_t type, float mean, float step, float shrink, float q)
 // (not an anchor, not exact) codes its difference from its anchor row as the decoder will have it
 // (decoded, or exact when the anchor is a sink row), so that errors do not add up.
 void code_deltas(const TensorDesc & t, uint32_t every, const float * values, size_t n, uint32_t gn,
-                 const float * mean, const float * inv_step, float step, float shrink,
+                 const float * mean, const float * inv_step, float step, float shrink, uint32_t raw_bits,
                  const std::vector<uint8_t> & is_sink, const std::vector<uint8_t> & skip_deltas, uint8_t * gsym,
-                 std::vector<Escape> & escapes) {
+                 uint8_t * graw, std::vector<Escape> & escapes) {
     std::vector<float> delta(n * gn, 0.0f);
     std::vector<uint8_t> skip(n);
     for (size_t i = 0; i < n; i++) {
@@ -289,9 +289,10 @@ void code_deltas(const TensorDesc & t, uint32_t every, const float * values, siz
         }
         const size_t a = i - i % every;
         for (uint32_t g = 0; g < gn; g++) {
-            const float anchor = is_sink[a] ? values[a * gn + g]
+            const size_t at = a * gn + g;
+            const float anchor = is_sink[a] ? values[at]
                                             : decoded_value(t.ggml_type, mean[g], step, shrink,
-                                                            lanes::symbol_q(gsym[a * gn + g]));
+                                                            lanes::symbol_q(gsym[at], raw_bits, graw ? graw[at] : 0));
             delta[i * gn + g] = values[i * gn + g] - anchor + mean[g];
         }
     }
@@ -305,12 +306,16 @@ void code_deltas(const TensorDesc & t, uint32_t every, const float * values, siz
             }
         }
     }
-    std::vector<uint8_t> dsym(n * gn);
+    std::vector<uint8_t> dsym(n * gn), draw(graw ? n * gn : 0);
     ShrinkSum unused;  // the stored offset is the anchors'
-    quantize_rows(delta.data(), n, gn, mean, inv_step, skip.data(), dsym.data(), unused, escapes);
+    quantize_rows(delta.data(), n, gn, mean, inv_step, raw_bits, skip.data(), dsym.data(), draw.data(), unused,
+                  escapes);
     for (size_t i = 0; i < n; i++) {
         if (!skip[i]) {
             std::memcpy(gsym + i * gn, dsym.data() + i * gn, gn);
+            if (graw) {
+                std::memcpy(graw + i * gn, draw.data() + i * gn, gn);
+            }
         }
     }
 }
@@ -432,6 +437,42 @@ void copy_rows(const uint8_t * src, size_t n, uint32_t gn, uint8_t * dst, size_t
     }
 }
 
+// A group's cell-major bytes (symbols or raw bits: n rows of gn) into the tensor's state order.
+void place_group(const uint8_t * g, const TensorDesc & t, size_t n, uint32_t u0, uint32_t gn, uint8_t * dst) {
+#if defined(__x86_64__)
+    if (t.transposed && gn % 8 == 0 && cpu_has_avx2) {
+        return store_transposed_symbols_avx2(g, n, gn, &dst[static_cast<size_t>(u0) * n]);
+    }
+#endif
+    if (t.transposed) {
+        for (uint32_t j = 0; j < gn; j++) {
+            uint8_t * line = &dst[static_cast<size_t>(u0 + j) * n];
+            for (size_t i = 0; i < n; i++) {
+                line[i] = g[i * gn + j];
+            }
+        }
+        return;
+    }
+    switch (gn) {  // a constant size: a move per row, not a call (4% of an encode)
+        case 8: return copy_rows<8>(g, n, gn, &dst[u0], t.n_units);
+        case 16: return copy_rows<16>(g, n, gn, &dst[u0], t.n_units);
+        case 32: return copy_rows<32>(g, n, gn, &dst[u0], t.n_units);
+        default: return copy_rows<0>(g, n, gn, &dst[u0], t.n_units);
+    }
+}
+
+// How many of q's low bits go raw at a step of rel group deviations: q spreads over about 1 / rel,
+// and bits below a twelfth of that are close to uniform (measured on SmolLM2 at `high`: 2 raw
+// bits cost 0.1% over the best choice per tensor and leave no escapes, against 3% of values
+// escaping without).
+uint32_t raw_bits_for(double rel) {
+    uint32_t b = 0;
+    while (b < lanes::MAX_RAW_BITS && 12.0 * rel * static_cast<double>(2u << b) <= 1.0) {
+        b++;
+    }
+    return b;
+}
+
 // Quantizes the whole tensor, group by group; false when a value is not finite. The step of a
 // group is rel x its RMS channel deviation: one step for the group, because equal error in every
 // channel minimizes the group's squared error for its bits (measured: less KL at the same size).
@@ -508,7 +549,11 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         const double ramp = layer_step(k, t.is_v, t.layer, t.n_layer) / (t.is_v ? k.v_step : k.k_step);
         rel = per_row > 0.0 ? std::sqrt(12.0 * budget / per_row) * ramp : 1.0;
     }
-    std::vector<uint8_t> gsym(n * s.group);
+    s.raw_bits = raw_bits_for(rel);
+    std::vector<uint8_t> gsym(n * s.group), graw(s.raw_bits ? n * s.group : 0);
+    if (s.raw_bits) {
+        e.raw.reset(new uint8_t[n * t.n_units]);
+    }
     std::vector<uint32_t> counts(static_cast<size_t>(s.n_groups) * 256, 0);
     std::vector<Escape> escapes;  // a group's, in the order found
     s.anchor_tokens = k.anchor_tokens;
@@ -551,8 +596,9 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         escapes.clear();
         ShrinkSum shrink;
         // Anchor/delta: anchor rows (and all rows without the transform) first.
-        quantize_rows(values.get(), n, gn, mean, inv_step, s.anchor_tokens ? skip_deltas.data() : is_sink.data(),
-                      gsym.data(), shrink, escapes);
+        quantize_rows(values.get(), n, gn, mean, inv_step, s.raw_bits,
+                      s.anchor_tokens ? skip_deltas.data() : is_sink.data(), gsym.data(), graw.data(), shrink,
+                      escapes);
         // Values of a bin lie closer to zero than its centre on average (peaked distributions):
         // the decoder reconstructs |q| - shrink, with the group's measured mean offset (anchor
         // rows' offset under anchor/delta: the deltas are coded against the anchors' decoded values).
@@ -561,7 +607,8 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         s.shrink_u8[gi] = static_cast<uint8_t>(std::clamp(std::lround(mean_shrink * 256.0), 0L, 127L));
         if (s.anchor_tokens) {
             code_deltas(t, s.anchor_tokens, values.get(), n, gn, mean, inv_step, f16_to_f32(s.step_f16[gi]),
-                        s.shrink_u8[gi] / 256.0f, is_sink, skip_deltas, gsym.data(), escapes);
+                        s.shrink_u8[gi] / 256.0f, s.raw_bits, is_sink, skip_deltas, gsym.data(),
+                        s.raw_bits ? graw.data() : nullptr, escapes);
         }
         // Eight histograms, summed: a group's symbols are few and often equal, and increments of
         // one counter wait on each other (8 apart, the wait hides behind the other seven).
@@ -583,25 +630,9 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
             c[b] = ((part[0][b] + part[1][b]) + (part[2][b] + part[3][b])) +
                    ((part[4][b] + part[5][b]) + (part[6][b] + part[7][b]));
         }
-#if defined(__x86_64__)
-        if (t.transposed && gn % 8 == 0 && cpu_has_avx2) {
-            store_transposed_symbols_avx2(gsym.data(), n, gn, &e.sym[static_cast<size_t>(u0) * n]);
-        } else
-#endif
-        if (t.transposed) {
-            for (uint32_t g = 0; g < gn; g++) {
-                uint8_t * dst = &e.sym[static_cast<size_t>(u0 + g) * n];
-                for (size_t i = 0; i < n; i++) {
-                    dst[i] = gsym[i * gn + g];
-                }
-            }
-        } else {
-            switch (gn) {  // a constant size: a move per row, not a call (4% of an encode)
-                case 8: copy_rows<8>(gsym.data(), n, gn, &e.sym[u0], t.n_units); break;
-                case 16: copy_rows<16>(gsym.data(), n, gn, &e.sym[u0], t.n_units); break;
-                case 32: copy_rows<32>(gsym.data(), n, gn, &e.sym[u0], t.n_units); break;
-                default: copy_rows<0>(gsym.data(), n, gn, &e.sym[u0], t.n_units); break;
-            }
+        place_group(gsym.data(), t, n, u0, gn, e.sym.get());
+        if (s.raw_bits) {
+            place_group(graw.data(), t, n, u0, gn, e.raw.get());
         }
         if (gi == 0) {  // room for as many escapes in every group as in the first, and a quarter more
             e.escapes.reserve(std::min<size_t>(escapes.size() * s.n_groups * 5 / 4, n * t.n_units));
@@ -618,23 +649,26 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     return true;
 }
 
-// Adds the ub byte planes of n side-by-side elements at p to part[b][k % 4][byte] (1024 counters
-// per plane); 2-byte elements four at a time from one 8-byte load.
-void count_planes(const uint8_t * p, size_t n, uint32_t ub, uint32_t * part) {
-    size_t k = 0;
-    if (ub == 2) {
-        for (; k + 4 <= n; k += 4) {
-            uint64_t w;
-            std::memcpy(&w, p + 2 * k, 8);
-            for (uint32_t j = 0; j < 4; j++) {
-                part[j * 256 + ((w >> (16 * j)) & 0xff)]++;
-                part[1024 + j * 256 + ((w >> (16 * j + 8)) & 0xff)]++;
+// Adds the ub byte planes of n_lines runs of n side-by-side elements (runs `stride` bytes apart)
+// to part[b][k % 4][byte] (1024 counters per plane); 2-byte elements four at a time from one
+// 8-byte load. One call per group: a K group's runs are one row's 8 to 32 units.
+void count_planes(const uint8_t * p, size_t n_lines, size_t stride, size_t n, uint32_t ub, uint32_t * part) {
+    for (size_t line = 0; line < n_lines; line++, p += stride) {
+        size_t k = 0;
+        if (ub == 2) {
+            for (; k + 4 <= n; k += 4) {
+                uint64_t w;
+                std::memcpy(&w, p + 2 * k, 8);
+                for (uint32_t j = 0; j < 4; j++) {
+                    part[j * 256 + ((w >> (16 * j)) & 0xff)]++;
+                    part[1024 + j * 256 + ((w >> (16 * j + 8)) & 0xff)]++;
+                }
             }
         }
-    }
-    for (; k < n; k++) {
-        for (uint32_t b = 0; b < ub; b++) {
-            part[static_cast<size_t>(b) * 1024 + (k & 3) * 256 + p[k * ub + b]]++;
+        for (; k < n; k++) {
+            for (uint32_t b = 0; b < ub; b++) {
+                part[static_cast<size_t>(b) * 1024 + (k & 3) * 256 + p[k * ub + b]]++;
+            }
         }
     }
 }
@@ -653,13 +687,9 @@ void prepare_lossless(const uint8_t * base, const TensorDesc & t, TensorEncoder 
         std::fill(part.begin(), part.end(), 0u);
         const uint32_t u0 = gi * s.group, u1 = std::min(t.n_units, u0 + s.group);
         if (!t.transposed) {  // in memory order: runs of side-by-side elements
-            for (size_t i = 0; i < t.n_cells; i++) {
-                count_planes(base + i * st.cell + u0 * st.unit, u1 - u0, ub, part.data());
-            }
+            count_planes(base + u0 * st.unit, t.n_cells, st.cell, u1 - u0, ub, part.data());
         } else {
-            for (uint32_t u = u0; u < u1; u++) {
-                count_planes(base + u * st.unit, t.n_cells, ub, part.data());
-            }
+            count_planes(base + u0 * st.unit, u1 - u0, st.unit, t.n_cells, ub, part.data());
         }
         for (uint32_t b = 0; b < ub; b++) {
             uint32_t * c = &plane_counts[(static_cast<size_t>(b) * s.n_groups + gi) * 256];
@@ -708,9 +738,16 @@ struct LossyDst {
     const float * step;      // per group
     const float * shrink;    // per group
     uint32_t group;
+    uint32_t raw_bits;
     uint8_t * base;  // destination tensor
     Strides dst;
     const uint32_t * row_cell;
+};
+
+// The slice being decoded: its raw bits (raw_bits > 0) and first element.
+struct SliceRaw {
+    const uint8_t * raw;
+    size_t k0;
 };
 
 inline uint8_t * element_ptr(const LossyDst & d, RowUnit ru) {
@@ -724,9 +761,11 @@ inline void store_value(const LossyDst & d, int32_t type, RowUnit ru, float q) {
     store_float(element_ptr(d, ru), type, dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], q));
 }
 
-// The scalar reference for elements [k0, k1) (lane k % 32 continues from c), one outer line at a time.
+// The scalar reference for elements [k0, k1) of slice sr (lane k % 32 continues from c), one outer
+// line at a time.
 template <int32_t TYPE, bool TRANSPOSED>
-void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, size_t k0, size_t k1, std::vector<uint64_t> & esc) {
+void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, SliceRaw sr, size_t k0, size_t k1,
+                        std::vector<uint64_t> & esc) {
     const TensorDesc & t = *d.obj;
     const size_t n_o = n_outer(t), n_i = n_inner(t);
     std::vector<const uint32_t *> slots(t.n_units);
@@ -747,17 +786,19 @@ void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, size_t k0, size_t 
                 esc.push_back(k);
             }
             uint8_t * p = TRANSPOSED ? line + d.row_cell[i] * d.dst.cell : line + i * d.dst.unit;
-            store_float(p, TYPE, dequant(d.mean[u], step[u], shrink[u], lanes::symbol_q(s)));
+            const uint32_t raw = d.raw_bits ? lanes::raw_at(sr.raw, k - sr.k0, d.raw_bits) : 0;
+            store_float(p, TYPE, dequant(d.mean[u], step[u], shrink[u], lanes::symbol_q(s, d.raw_bits, raw)));
         }
     }
 }
 
-void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, size_t k0, size_t k1, std::vector<uint64_t> & esc) {
+void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, SliceRaw sr, size_t k0, size_t k1,
+                         std::vector<uint64_t> & esc) {
     const bool tr = d.obj->transposed;
     switch (d.obj->ggml_type) {
-        case GGML_F16: return tr ? decode_lossy_lines<GGML_F16, true>(c, d, k0, k1, esc) : decode_lossy_lines<GGML_F16, false>(c, d, k0, k1, esc);
-        case GGML_BF16: return tr ? decode_lossy_lines<GGML_BF16, true>(c, d, k0, k1, esc) : decode_lossy_lines<GGML_BF16, false>(c, d, k0, k1, esc);
-        default: return tr ? decode_lossy_lines<GGML_F32, true>(c, d, k0, k1, esc) : decode_lossy_lines<GGML_F32, false>(c, d, k0, k1, esc);
+        case GGML_F16: return tr ? decode_lossy_lines<GGML_F16, true>(c, d, sr, k0, k1, esc) : decode_lossy_lines<GGML_F16, false>(c, d, sr, k0, k1, esc);
+        case GGML_BF16: return tr ? decode_lossy_lines<GGML_BF16, true>(c, d, sr, k0, k1, esc) : decode_lossy_lines<GGML_BF16, false>(c, d, sr, k0, k1, esc);
+        default: return tr ? decode_lossy_lines<GGML_F32, true>(c, d, sr, k0, k1, esc) : decode_lossy_lines<GGML_F32, false>(c, d, sr, k0, k1, esc);
     }
 }
 
@@ -868,10 +909,11 @@ __attribute__((target("avx2,f16c"))) size_t decode_symbols_avx2(rans::Cursor & c
 // scalar decoder takes over (the last, partial step, or the last 32 words, which are read with
 // bounds checks).
 // ESCAPES: some table of the tensor gives the escape symbol (else no symbol can be one, and the
-// bookkeeping, 7 of the ~45 instructions of a vector, is left out).
-template <bool GATHER, bool ESCAPES>
-__attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor & c, const LossyDst & d, size_t k0,
-                                                                   size_t k1, uint32_t * esc, size_t & n_esc) {
+// bookkeeping, 7 of the ~45 instructions of a vector, is left out). RAW: d.raw_bits > 0, slice sr's.
+template <bool GATHER, bool ESCAPES, bool RAW>
+__attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor & c, const LossyDst & d, SliceRaw sr,
+                                                                   size_t k0, size_t k1, uint32_t * esc,
+                                                                   size_t & n_esc) {
     const TensorDesc & t = *d.obj;
     const uint32_t c0 = d.row_cell[0];
     __m256i x[4];
@@ -880,6 +922,10 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
     }
     const __m256i sym_zero = _mm256_set1_epi32(SYM_ZERO), zero = _mm256_setzero_si256();
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    const uint32_t b = d.raw_bits;
+    const __m128i raw_shift = _mm_cvtsi32_si128(static_cast<int>(b));
+    const __m256i raw_lane = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(b));
+    const __m256i raw_mask = _mm256_set1_epi32((1 << b) - 1);
     // row and unit of the next vector's first element
     uint32_t row = static_cast<uint32_t>(t.transposed ? k0 % t.n_cells : k0 / t.n_units);
     uint32_t unit = static_cast<uint32_t>(t.transposed ? k0 / t.n_cells : k0 % t.n_units);
@@ -907,7 +953,15 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
                 }
             }
             const __m256i s = lanes8_step<GATHER>(x[v], d.slots + gi * rans::PROB_SCALE, ptr);
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(s, sym_zero));
+            __m256i qi = _mm256_sub_epi32(s, sym_zero);
+            if (RAW) {  // 8 elements' raw bits start at a byte: b bytes from (k - slice start) / 8 * b
+                uint32_t word;
+                std::memcpy(&word, sr.raw + (k - sr.k0 + 8 * v) / 8 * b, 4);
+                const __m256i r = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), raw_lane),
+                                                   raw_mask);
+                qi = _mm256_or_si256(_mm256_sll_epi32(qi, raw_shift), r);
+            }
+            const __m256 q = _mm256_cvtepi32_ps(qi);
             const __m256 nonzero = _mm256_cmp_ps(q, _mm256_setzero_ps(), _CMP_NEQ_OQ);
             const __m256 sh = _mm256_and_ps(nonzero, _mm256_or_ps(_mm256_and_ps(q, sign), _mm256_set1_ps(d.shrink[gi])));
             const __m256 val = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(q, sh), _mm256_set1_ps(d.step[gi])), mean);
@@ -938,8 +992,9 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
     const uint32_t stream_bytes = r.u32();
     const std::vector<rans::Slice> slices = rans::read_slices(r.take(stream_bytes), stream_bytes, n, true);
+    const uint32_t b = dec.stats.raw_bits;
     const LossyDst d{&obj, dec.slots.data(), dec.mean.data(), dec.step.data(), dec.shrink.data(), dec.stats.group,
-                     base, Strides(dst), row_cell.data()};
+                     b, base, Strides(dst), row_cell.data()};
     bool vector_ok = false;
 #if defined(__x86_64__)
     bool contiguous = true;
@@ -952,6 +1007,13 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     for (const rans::Table & tab : dec.stats.tables) {
         escapes |= tab.freq[SYM_ESCAPE] != 0;
     }
+    using VectorDecode = size_t (*)(rans::Cursor &, const LossyDst &, SliceRaw, size_t, size_t, uint32_t *, size_t &);
+    static constexpr VectorDecode vector_decoders[2][2][2] = {  // [gather][escapes][raw bits]
+        {{decode_lossy_f16_avx2<false, false, false>, decode_lossy_f16_avx2<false, false, true>},
+         {decode_lossy_f16_avx2<false, true, false>, decode_lossy_f16_avx2<false, true, true>}},
+        {{decode_lossy_f16_avx2<true, false, false>, decode_lossy_f16_avx2<true, false, true>},
+         {decode_lossy_f16_avx2<true, true, false>, decode_lossy_f16_avx2<true, true, true>}}};
+    const VectorDecode vector_decode = vector_decoders[use_gather][escapes][b != 0];
 #endif
     prefetch_tables(dec.slots);
     std::vector<uint64_t> esc;
@@ -970,25 +1032,21 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
         slice_esc.reset(new uint32_t[most + 8]);
     }
     for (const rans::Slice & sl : slices) {
-        rans::Cursor c = rans::open_stream(sl.data, sl.bytes);
+        const size_t raw_bytes = rans::slice_raw_bytes(sl, b);  // the slice starts with them
+        const SliceRaw sr{sl.data, sl.k0};
+        rans::Cursor c = rans::open_stream(sl.data + raw_bytes, sl.bytes - raw_bytes);
         const size_t before = esc.size();
         size_t k = sl.k0;
 #if defined(__x86_64__)
         if (vector_ok) {
             size_t n_esc = 0;
-            if (escapes) {
-                k = use_gather ? decode_lossy_f16_avx2<true, true>(c, d, k, sl.k1, slice_esc.get(), n_esc)
-                               : decode_lossy_f16_avx2<false, true>(c, d, k, sl.k1, slice_esc.get(), n_esc);
-            } else {
-                k = use_gather ? decode_lossy_f16_avx2<true, false>(c, d, k, sl.k1, slice_esc.get(), n_esc)
-                               : decode_lossy_f16_avx2<false, false>(c, d, k, sl.k1, slice_esc.get(), n_esc);
-            }
+            k = vector_decode(c, d, sr, k, sl.k1, slice_esc.get(), n_esc);
             for (size_t e = 0; e < n_esc; e++) {
                 esc.push_back(sl.k0 + slice_esc[e]);
             }
         }
 #endif
-        decode_lossy_scalar(c, d, k, sl.k1, esc);
+        decode_lossy_scalar(c, d, sr, k, sl.k1, esc);
         rans::close_stream(c);
         LCG_CHECK(esc.size() - before == sl.count, LCG_ERR_CORRUPT, "rANS slice declares %u escapes, its symbols %zu",
                   sl.count, esc.size() - before);
@@ -1175,6 +1233,7 @@ void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t) {
         w.u16(s.anchor_tokens ? static_cast<uint16_t>(TRANSFORM_ANCHOR_DELTA | s.anchor_tokens << 8) : TRANSFORM_NONE);
     }
     if (s.lossy) {
+        w.u8(static_cast<uint8_t>(s.raw_bits));
         for (uint32_t gi = 0; gi < s.n_groups; gi++) {
             w.u16(s.step_f16[gi]);
             w.u8(s.shrink_u8[gi]);
@@ -1221,6 +1280,9 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & t) {
     s.n_groups = (t.n_units + s.group - 1) / s.group;
     size_t n_tables = s.n_groups;
     if (s.lossy) {
+        s.raw_bits = r.u8();
+        LCG_CHECK(s.raw_bits <= lanes::MAX_RAW_BITS, LCG_ERR_CORRUPT, "tensor statistics: %u raw bits (at most %u)",
+                  s.raw_bits, lanes::MAX_RAW_BITS);
         LCG_CHECK(s.n_groups <= r.remaining() / 3 && t.n_units <= r.remaining() / 2, LCG_ERR_CORRUPT,
                   "tensor statistics for %u units in %zu bytes", t.n_units, r.remaining());
         s.step_f16.resize(s.n_groups);
@@ -1307,20 +1369,13 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     }
     // The object's symbols (or byte planes) in its memory order, from the state's; a whole lossy
     // object codes the encoder's own symbols.
-    std::unique_ptr<uint8_t[]> sym;  // each byte written before it is coded: not zeroed
+    std::unique_ptr<uint8_t[]> sym, raw;  // each byte written before it is coded: not zeroed
     const uint8_t * symbols = nullptr;
+    const uint8_t * raws = nullptr;
     bool contiguous = true;
     for (size_t r = 1; r < cells.size() && contiguous; r++) {
         contiguous = cells[r] == cells[0] + r;
     }
-    auto gather = [&](auto && value_of) {
-        for (size_t o = 0, k = 0; o < n_outer(obj); o++) {
-            for (size_t i = 0; i < n_inner(obj); i++, k++) {
-                const RowUnit ru = row_unit(obj, o, i);
-                sym[k] = value_of(cells[ru.row], ru.unit);
-            }
-        }
-    };
     // Unit u codes with table group u / group: per unit, its table.
     std::vector<const rans::EncTable *> unit_table(t.n_units);
     auto coded = [&](const rans::EncTable * tables) {
@@ -1331,28 +1386,37 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
         const size_t at = w.buf.size();
         w.u32(0);
         // Lossy slices count their escape symbols in the stream's directory.
-        rans::encode_stream({symbols, n_outer(obj), n_inner(obj), t.transposed, unit_table.data()}, slice_elements,
-                            s.lossy ? SYM_ESCAPE : -1, w);
+        rans::encode_stream({symbols, n_outer(obj), n_inner(obj), t.transposed, unit_table.data(), raws, s.raw_bits},
+                            slice_elements, s.lossy ? SYM_ESCAPE : -1, w);
         const size_t bytes = w.buf.size() - at - 4;
         LCG_CHECK(bytes <= UINT32_MAX, LCG_ERR_LIMIT, "a stream of %zu bytes (at most 4 GiB per tensor)", bytes);
         w.u32_at(at, static_cast<uint32_t>(bytes));
     };
     if (s.lossy) {
+        // The encoder's bytes (symbols, raw bits) of the object's elements in its memory order.
         const size_t state_inner = t.transposed ? t.n_cells : t.n_units;
-        if (contiguous && !cells.empty() && (!t.transposed || cells.size() == t.n_cells)) {
-            // rows of the state, or all of it: a run of the encoder's symbols
-            symbols = &e.sym[t.transposed ? 0 : static_cast<size_t>(cells[0]) * t.n_units];
-        } else if (contiguous && !cells.empty()) {  // a run of cells of each transposed unit
-            sym.reset(new uint8_t[n]);
-            for (size_t o = 0; o < n_outer(obj); o++) {
-                std::memcpy(&sym[o * n_inner(obj)], &e.sym[cells[0] + o * state_inner], n_inner(obj));
+        auto object_order = [&](const uint8_t * all, std::unique_ptr<uint8_t[]> & own) -> const uint8_t * {
+            if (contiguous && !cells.empty() && (!t.transposed || cells.size() == t.n_cells)) {
+                // rows of the state, or all of it: a run of the encoder's bytes
+                return &all[t.transposed ? 0 : static_cast<size_t>(cells[0]) * t.n_units];
             }
-            symbols = sym.get();
-        } else {
-            sym.reset(new uint8_t[n]);
-            gather([&](uint32_t cell, uint32_t unit) { return e.sym[state_index(t, cell, unit)]; });
-            symbols = sym.get();
-        }
+            own.reset(new uint8_t[n]);
+            if (contiguous && !cells.empty()) {  // a run of cells of each transposed unit
+                for (size_t o = 0; o < n_outer(obj); o++) {
+                    std::memcpy(&own[o * n_inner(obj)], &all[cells[0] + o * state_inner], n_inner(obj));
+                }
+                return own.get();
+            }
+            for (size_t o = 0, k = 0; o < n_outer(obj); o++) {
+                for (size_t i = 0; i < n_inner(obj); i++, k++) {
+                    const RowUnit ru = row_unit(obj, o, i);
+                    own[k] = all[state_index(t, cells[ru.row], ru.unit)];
+                }
+            }
+            return own.get();
+        };
+        symbols = object_order(e.sym.get(), sym);
+        raws = s.raw_bits ? object_order(e.raw.get(), raw) : nullptr;
         coded(e.enc.data());
         // The escaped values, in the object's order. A whole object's are the encoder's, in order.
         if (contiguous && cells.size() == t.n_cells && (cells.empty() || cells[0] == 0)) {

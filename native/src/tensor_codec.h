@@ -22,6 +22,7 @@ struct TensorStats {
     // Lossy K: values coded rotated back by their position (rope.h); pairing 0: not.
     Rope rope;
     uint32_t group = 8;  // units per frequency table (and per quantizer step)
+    uint32_t raw_bits = 0;  // lossy: q's low bits sent raw (lanes.h), 0..MAX_RAW_BITS
     uint32_t n_groups = 0;
     // lossy: per unit mean, per group step and reconstruction offset (f16 / u8 as stored)
     std::vector<uint16_t> mean_f16, step_f16;
@@ -39,6 +40,7 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & t);
 struct TensorEncoder {
     TensorStats stats;
     std::unique_ptr<uint8_t[]> sym;  // lossy: one symbol per element, state order (each written once: no zeroing)
+    std::unique_ptr<uint8_t[]> raw;  // lossy with raw_bits: each element's raw bits, as sym
     std::vector<std::pair<uint64_t, int64_t>> escapes;  // lossy: (element index in state order, q), sorted
     std::vector<rans::EncTable> enc;                  // one per table
 };

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,10 +148,31 @@ def _params(
     return params
 
 
+# A bytes object of n bytes, not yet written (CPython's own way to build bytes in place).
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_HUGE_PAGE = 1 << 21
+_MADV_HUGEPAGE = 14  # Linux
+_libc = ctypes.CDLL(None) if sys.platform == "linux" else None
+
+
 def _take(out: Any, out_size: Any) -> bytes:
-    """Copies a library-allocated buffer into bytes and frees it."""
+    """Copies a library-allocated buffer into bytes and frees it. A large container's bytes are
+    advised for huge pages before the copy: writing 40 MB of fresh 4 KiB pages costs ~15 ms of page
+    faults, a third of a lossless encode (measured: 14.5 -> 4.5 ms)."""
     try:
-        return bytes(ffi.buffer(out[0], out_size[0]))
+        size = out_size[0]
+        if _libc is None or size < 2 * _HUGE_PAGE:
+            return bytes(ffi.buffer(out[0], size))
+        blob = _new_bytes(None, size)
+        dst = ffi.from_buffer(blob)  # a new object no one else holds: filled before it is returned
+        start = int(ffi.cast("uintptr_t", dst))
+        first = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # the whole huge pages inside it
+        length = (start + size - first) // _HUGE_PAGE * _HUGE_PAGE
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+        ffi.memmove(dst, out[0], size)
+        return blob
     finally:
         lib.lcg_free(out[0])
 

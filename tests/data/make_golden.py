@@ -11,10 +11,10 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
 import llama_cachegen as lcg  # noqa: E402
-from test_bad_input import golden_container  # noqa: E402
+from test_bad_input import GOLDEN_LEVELS, golden_container  # noqa: E402
 
 version = lcg.version()[1]
-for level in ("lossless", "balanced"):
+for level in GOLDEN_LEVELS:
     blob = golden_container(level)
     (HERE / f"golden-v{version}-{level}.lcg").write_bytes(blob)
     (HERE / f"golden-v{version}-{level}.state").write_bytes(lcg.decode(blob))

@@ -167,7 +167,8 @@ LCG_HD inline void lane_store(const Args & a, const Walk & w, const Lane & l) {
     }
     uint8_t * p = element(a, w.t, l.o, l.i);
     if (w.t.lossy) {
-        store_value(p, w.t, reconstruct(a, w.t, w.t.transposed ? l.o : l.i, lanes::symbol_q(l.sym)));
+        const uint32_t raw = w.t.raw_bits ? lanes::raw_at(a.container + w.sj.raw, l.k - w.sj.k0, w.t.raw_bits) : 0;
+        store_value(p, w.t, reconstruct(a, w.t, w.t.transposed ? l.o : l.i, lanes::symbol_q(l.sym, w.t.raw_bits, raw)));
     } else {
         p[w.sj.plane] = uint8_t(l.sym);
     }

@@ -14,7 +14,7 @@
 
 namespace lcg::cuda {
 
-constexpr uint32_t BACKEND_ABI = 2;
+constexpr uint32_t BACKEND_ABI = 3;
 
 // A frequency table as the kernels read it: cumulative frequencies, and per bucket of 32 slots the
 // symbol that holds the bucket's first slot; a lookup walks up from there. 644 bytes instead of
@@ -41,12 +41,14 @@ struct TensorJob {
     uint32_t group_shift;            // units per table = 1 << group_shift
     uint32_t lossy;
     uint32_t aligned;                // the destination allows unit-sized stores
+    uint32_t raw_bits;               // lossy: q's low bits sent raw (lanes.h)
 };
 
 // One slice of a stream (docs/format.md, "Streams"): 32 lanes, one warp decodes it.
 struct SliceJob {
+    uint64_t raw;        // container offset of its raw bits (lossy with raw_bits; the slice's start)
     uint64_t src;        // container offset: 32 x u32 initial states, then the words
-    uint64_t bytes;
+    uint64_t bytes;      // of the states and words
     uint64_t k0, k1;     // the elements it codes, in its tensor's memory order
     uint64_t escapes;    // index of its first escape in the escape arrays
     uint64_t n_escapes;  // declared by the stream's directory
