@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# numpy's OpenBLAS threads spin for a while after they start and took a core from 2-thread runs on a
+# 2-core machine; nothing here uses BLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from dataclasses import dataclass
 
 import llama_cachegen
