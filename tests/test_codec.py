@@ -219,6 +219,38 @@ def test_any_buffer_is_accepted_without_copies(state_fa_off: bytes) -> None:
     assert lcg.decode(memoryview(ref)) == lcg.decode(ref)
 
 
+def test_encode_writes_into_the_callers_memory(state_fa_off: bytes) -> None:
+    """lcg_encode_params.out_alloc: the container is written into the caller's memory (what
+    `encode` does with a bytes object), the same bytes as the library's own; an allocator that
+    returns NULL gives LCG_ERR_OUT_OF_MEMORY."""
+    ffi, lib = lcg.codec.ffi, lcg.codec.lib
+    ref = lcg.encode(state_fa_off, "high", threads=1)
+    assert isinstance(ref, bytes)
+    out, size = ffi.new("void **"), ffi.new("size_t *")
+    params = lcg.codec._params("high", 1, "auto", None, None, None, None, None, None, "none", None, None)
+    lcg.codec.check(lib.lcg_encode(lcg.codec._view(state_fa_off), len(state_fa_off), params, out, size))
+    assert lcg.codec._take(out, size) == ref  # the library's own memory
+    mine: list[bytearray] = []
+
+    @ffi.callback("void *(void *, size_t)")
+    def alloc(ctx: object, n: int) -> object:
+        if ffi.from_handle(ctx) == "refuse":
+            return ffi.NULL
+        mine.append(bytearray(n))
+        return ffi.from_buffer(mine[-1])
+
+    for ctx, expect in (("keep", None), ("refuse", lcg.errors.NativeMemoryError)):
+        handle = ffi.new_handle(ctx)
+        params.out_alloc, params.out_alloc_ctx = alloc, handle
+        status = lib.lcg_encode(lcg.codec._view(state_fa_off), len(state_fa_off), params, out, size)
+        if expect is None:
+            lcg.codec.check(status)
+            assert out[0] == ffi.from_buffer(mine[0]) and bytes(mine[0]) == ref
+        else:
+            with pytest.raises(expect, match="container"):
+                lcg.codec.check(status)
+
+
 def test_user_meta_travels_checksummed(state_fa_off: bytes) -> None:
     meta = b'{"model": "smollm2"}' + bytes(range(256))
     blob = lcg.encode(state_fa_off, "compact", user_meta=meta)

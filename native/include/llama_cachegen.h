@@ -142,6 +142,14 @@ typedef struct {
     uint16_t rope_n_dims;   /* rotated channels at the start of each head (even, <= head_dim)   */
     float    rope_bases[2]; /* candidate bases (e.g. global and sliding-window layers); 0: unused */
     float    rope_freq_scale; /* theta_i = rope_freq_scale x base^(-2i / n_dims); 0: 1          */
+    /* Where lcg_encode writes the container. NULL: memory of its own (*out, free it with
+     * lcg_free). Else out_alloc(out_alloc_ctx, size) is called once, on the calling thread, with
+     * the container's size; the container is written into the memory it returns and *out is that
+     * pointer (the caller's; NULL from out_alloc: LCG_ERR_OUT_OF_MEMORY). It encodes straight into
+     * memory the caller manages (a language's byte string, a shared or registered buffer) without
+     * a copy: a 40 MB container's copy cost a lossless encode a tenth of its time. */
+    void * (*out_alloc)(void * ctx, size_t size);
+    void *   out_alloc_ctx;
 } lcg_encode_params;
 
 /* What lcg_inspect reports about a container, from its header and layout only. */

@@ -106,6 +106,7 @@ EncodeOptions options(const lcg_encode_params * params) {
               "slice_elements %u: expected a multiple of %u up to %u", opt.slice_elements, rans::LANES, rans::MAX_SLICE);
     opt.user_meta = static_cast<const uint8_t *>(p.user_meta);
     opt.user_meta_size = p.user_meta_size;
+    opt.out_alloc = {p.out_alloc, p.out_alloc_ctx};
     return opt;
 }
 

@@ -335,7 +335,7 @@ uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions &
     rows.add_sections(sections);
     add_user_meta(sections, opt.user_meta, opt.user_meta_size);
     ContainerHeader h = state_header(st, size, LCG_PART_WHOLE, opt.level);
-    return write_container(h, std::move(sections), opt.n_threads, out_size);
+    return write_container(h, std::move(sections), opt.n_threads, out_size, opt.out_alloc);
 }
 
 uint8_t * encode_skeleton(const uint8_t * state, size_t size, int32_t kind, size_t * out_size) {

@@ -20,6 +20,7 @@ struct EncodeOptions {
     RopeHint rope;            // pairing 0: keys coded as stored
     const uint8_t * user_meta;
     size_t user_meta_size;
+    OutputAlloc out_alloc;  // where a whole container goes (lcg_encode)
 };
 
 // The LAYOUT section: the tensors an object codes and, for whole containers and skeletons, the

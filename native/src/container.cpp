@@ -22,7 +22,7 @@ const char * section_type_name(uint32_t type) {
 } // namespace
 
 uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sections, int n_threads,
-                          size_t * out_size) {
+                          size_t * out_size, const OutputAlloc & alloc) {
     h.n_sections = static_cast<uint32_t>(sections.size());
     const size_t table_end = HEADER_SIZE + static_cast<size_t>(SECTION_ENTRY_SIZE) * sections.size();
     std::vector<uint64_t> offset(sections.size()), size(sections.size());
@@ -32,7 +32,10 @@ uint8_t * write_container(ContainerHeader h, std::vector<SectionPayload> && sect
         size[i] = sections[i].size();
         total += size[i];
     }
-    std::unique_ptr<uint8_t, void (*)(void *)> owned(static_cast<uint8_t *>(alloc_filled(total)), std::free);
+    // The caller's memory stays the caller's if this fails.
+    std::unique_ptr<uint8_t, void (*)(void *)> owned(
+        static_cast<uint8_t *>(alloc.fn ? alloc.fn(alloc.ctx, total) : alloc_filled(total)),
+        alloc.fn ? [](void *) {} : std::free);
     uint8_t * out = owned.get();
     LCG_CHECK(out != nullptr, LCG_ERR_OUT_OF_MEMORY, "cannot allocate a %zu-byte container", total);
     // Each payload checksummed and copied in one visit, the sections shared among the threads.

@@ -41,11 +41,17 @@ struct SectionPayload {
     size_t size() const { return view ? view_size : bytes.size(); }
 };
 
-// Lays out header, table and payloads in one buffer from alloc_filled (released with free()),
-// on up to n_threads threads. Each owned payload is released once copied, so that the sections and
-// the container are not all held at once (an encode's peak memory).
+// The caller's allocator for a container (lcg_encode_params.out_alloc); fn NULL: alloc_filled.
+struct OutputAlloc {
+    void * (*fn)(void * ctx, size_t size) = nullptr;
+    void * ctx = nullptr;
+};
+
+// Lays out header, table and payloads in one buffer from `alloc` (or alloc_filled, released with
+// free()), on up to n_threads threads. Each owned payload is released once copied, so that the
+// sections and the container are not all held at once (an encode's peak memory).
 uint8_t * write_container(ContainerHeader header, std::vector<SectionPayload> && sections, int n_threads,
-                          size_t * out_size);
+                          size_t * out_size, const OutputAlloc & alloc = {});
 
 struct ContainerView {
     ContainerHeader header;
