@@ -98,7 +98,7 @@ typedef enum {
     LCG_KIND_SESSION     = 4  /* llama_state_save_file: 'ggsn' v10                               */
 } lcg_state_kind;
 
-/* What a container object holds (format v3). A context can be stored whole (one object), or as a
+/* What a container object holds (format v4). A context can be stored whole (one object), or as a
  * skeleton (the state's bytes other than K/V, tiny), one statistics object per level (quantizer
  * and frequency tables, computed over the whole state) and chunks: the K/V of positions
  * [pos_begin, pos_end) at one level, each decodable on its own into its place in a state. */

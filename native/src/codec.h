@@ -1,4 +1,4 @@
-// codec.h -- the objects of format v3 (docs/format.md): whole containers, skeletons, statistics
+// codec.h -- the objects of format v4 (docs/format.md): whole containers, skeletons, statistics
 // and chunks, built from a parsed state by tensor_codec and laid out by container.
 #pragma once
 

@@ -1,4 +1,4 @@
-"""Chunked, content-addressed context storage (container format v3).
+"""Chunked, content-addressed context storage (container format v4).
 
 A saved context is a manifest plus shared objects in one store (docs/format.md, "Manifest and store
 layout"):
