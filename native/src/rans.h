@@ -71,8 +71,8 @@ constexpr uint32_t DECODE_SLOTS_ROOM = 8;
 void build_decode_slots(const Table & t, uint32_t * slots);
 
 // Slices (format v3 on): a stream of n symbols is cut into slices of `slice_elements` symbols (a
-// multiple of 32; the last slice may be shorter), each an independent 32-lane stream: 32 x u32
-// initial states then its words. A directory before the slices gives each one's byte size and,
+// multiple of 32; the last slice may be shorter), each an independent 32-lane stream: its raw bits
+// if the symbols have some (format v4), 32 x u32 initial states, then its words. A directory before the slices gives each one's byte size and,
 // where the caller keeps one, a count of its own (lossy: the slice's escape symbols), so that a
 // decoder can start every slice at once (CPU threads, one GPU warp per slice).
 constexpr uint32_t DEFAULT_SLICE = 65536;
