@@ -280,7 +280,7 @@ def test_values_at_the_edge_of_f16_never_decode_to_inf(level: str, transform: st
 
 # ---- golden files -------------------------------------------------------------------------------
 
-# 512 symbols per stream in slices of 96: five full slices and a short one.
+# 1,024 symbols per stream in slices of 96: ten full slices and a short one.
 GOLDEN_SLICE = 96
 GOLDEN_VERSION = 4
 GOLDEN_LEVELS = ["lossless", "high", "balanced"]
@@ -288,7 +288,8 @@ GOLDEN_LEVELS = ["lossless", "high", "balanced"]
 
 def golden_state() -> bytes:
     rng = np.random.default_rng(2024)
-    return seq_buffer(kv_cache_bytes(rng, n_layer=2, n_embd=32, cells_per_stream=(16,)))
+    # K of 64 channels: two groups of 32, coded group by group (docs/format.md, "grouped")
+    return seq_buffer(kv_cache_bytes(rng, n_layer=2, n_embd=64, cells_per_stream=(16,)))
 
 
 def golden_container(level: str) -> bytes:
@@ -324,11 +325,11 @@ def test_stream_slices_are_checked() -> None:
     with pytest.raises(lcg.InvalidArgumentError, match="multiple of 32"):
         lcg.encode(golden_state(), "balanced", slice_elements=48)
     blob = golden_container("balanced")
-    _, _, off, _ = next(s for s in sections(blob) if s[0] == 3)  # the first tensor: 16 cells x 32 units
+    _, _, off, _ = next(s for s in sections(blob) if s[0] == 3)  # the first tensor: 16 cells x 64 units
     (n_sink,) = struct.unpack_from("<I", blob, off)
-    stream = off + 4 + 4 * n_sink + n_sink * 32 * 2 + 4  # after its exact rows and u32 stream_bytes
+    stream = off + 4 + 4 * n_sink + n_sink * 64 * 2 + 4  # after its exact rows and u32 stream_bytes
     assert struct.unpack_from("<I", blob, stream) == (GOLDEN_SLICE,)
-    n_slices = -(-16 * 32 // GOLDEN_SLICE)
+    n_slices = -(-16 * 64 // GOLDEN_SLICE)
     directory = [struct.unpack_from("<II", blob, stream + 4 + 8 * i) for i in range(n_slices)]
     forged = {
         "slice size 0": (stream, 0),

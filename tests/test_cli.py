@@ -11,6 +11,7 @@ import llama_cpp
 import numpy as np
 import pytest
 from conftest import kv_cache_bytes, seq_buffer
+from llama_cachegen import chunks
 from llama_cachegen.cli import DEMO_QUESTION
 from llama_cachegen.llama import Llama
 from llama_cachegen.model import default_model_path
@@ -28,7 +29,7 @@ def _cli(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess[s
 @pytest.fixture(scope="module")
 def slot_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A llama-server slot file: llama_state_seq_save_file of a real context; beside it the same
-    context saved as a container (saved.lcg) and chunked (the manifest ctx, its objects in lcg3/)."""
+    context saved as a container (saved.lcg) and chunked (the manifest ctx, its objects in lcg4/)."""
     path = tmp_path_factory.mktemp("slot") / "slot0.bin"
     llm = Llama(str(default_model_path()), n_ctx=512, n_threads=2, verbose=False)
     tokens = llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 6)
@@ -109,7 +110,7 @@ def test_decompress_says_what_a_non_container_is(slot_file: Path, tmp_path: Path
     proc = _cli("decompress", slot_file, tmp_path / "out", check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert f"{slot_file} is a llama.cpp state (seq_file), not a container" in proc.stderr
-    skeleton = next((slot_file.parent / "lcg3" / "skeletons").iterdir())
+    skeleton = next((slot_file.parent / chunks.PREFIX / "skeletons").iterdir())
     proc = _cli("decompress", skeleton, tmp_path / "out", check=False)
     assert proc.returncode == 1 and "chunked context's skeleton object, not a whole container" in proc.stderr
     truncated = tmp_path / "truncated.lcg"

@@ -176,7 +176,7 @@ def test_a_recurrent_model_is_refused_with_a_clear_error(tmp_path: Path, mamba: 
     fresh.set_cache(CompressedStateCache(f"file://{tmp_path}/cache", chunk_tokens=C))
     out = fresh.create_completion(TOKENS[:100], max_tokens=2, temperature=0.0, logit_bias=LETTERS_ONLY)
     assert out["usage"]["completion_tokens"] == 2
-    assert not list(tmp_path.rglob("lcg3/*"))
+    assert not list(tmp_path.rglob(f"{chunks.PREFIX}*"))
 
 
 def test_llama_server_sharing_refuses_a_hybrid_slot_and_says_why(tmp_path: Path, source: lcg.Llama) -> None:

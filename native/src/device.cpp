@@ -188,15 +188,16 @@ struct DeviceSink : DecodeSink {
         t.cell_stride = dst_t.transposed ? dst_t.unit_bytes : static_cast<uint64_t>(dst_t.n_units) * dst_t.unit_bytes;
         t.unit_stride = dst_t.transposed ? static_cast<uint64_t>(dst_t.n_cells) * dst_t.unit_bytes : dst_t.unit_bytes;
         t.rows = rows(row_cell);
-        t.n_outer = obj.transposed ? obj.n_units : obj.n_cells;
-        t.n_inner = obj.transposed ? obj.n_cells : obj.n_units;
+        t.group_shift = log2_group(s.group);
+        t.grouped = grouped_order(obj, s);  // lines of a group's rows (docs/format.md)
+        t.n_outer = t.grouped ? obj.n_units >> t.group_shift : obj.transposed ? obj.n_units : obj.n_cells;
+        t.n_inner = t.grouped ? uint64_t(obj.n_cells) << t.group_shift : obj.transposed ? obj.n_cells : obj.n_units;
         t.mean = at.mean;
         t.step = at.step;
         t.shrink = at.shrink;
         t.transposed = obj.transposed;
         t.ggml_type = static_cast<uint32_t>(obj.ggml_type);
         t.unit_bytes = obj.unit_bytes;
-        t.group_shift = log2_group(s.group);
         t.lossy = s.lossy;
         t.raw_bits = s.raw_bits;
         t.aligned = (reinterpret_cast<uintptr_t>(dst) + dst_t.offset) % obj.unit_bytes == 0;

@@ -54,11 +54,41 @@ inline RowUnit row_unit(const TensorDesc & t, size_t outer, size_t inner) {
     return t.transposed ? RowUnit{static_cast<uint32_t>(inner), static_cast<uint32_t>(outer)}
                         : RowUnit{static_cast<uint32_t>(outer), static_cast<uint32_t>(inner)};
 }
-inline RowUnit row_unit(const TensorDesc & t, size_t k) { return row_unit(t, k / n_inner(t), k % n_inner(t)); }
 
-uint64_t state_index(const TensorDesc & t, uint32_t cell, uint32_t unit) {
-    return t.transposed ? static_cast<uint64_t>(unit) * t.n_cells + cell : static_cast<uint64_t>(cell) * t.n_units + unit;
-}
+// The order an object codes its elements in (docs/format.md, "Rows of an object, and their
+// order"): n_lines lines of line_len elements. Lossless tensors and transposed ones (units whose
+// cells are side by side) code in memory order; a lossy row-major tensor whose units are a whole
+// number of groups codes group by group (GROUPS: a group's rows one after another), so that one
+// frequency table serves a long run instead of every table taking turns along each row.
+struct Lines {
+    enum Kind : uint8_t { ROWS, UNITS, GROUPS } kind;
+    uint32_t shift;  // GROUPS: log2 of the group
+    size_t n_lines, line_len;
+
+    Lines(const TensorDesc & obj, const TensorStats & s) {
+        shift = static_cast<uint32_t>(__builtin_ctz(s.group));  // 8, 16 or 32 (read_stats checks)
+        kind = obj.transposed ? UNITS : grouped_order(obj, s) ? GROUPS : ROWS;
+        n_lines = kind == ROWS ? obj.n_cells : kind == UNITS ? obj.n_units : obj.n_units >> shift;
+        line_len = kind == ROWS ? obj.n_units : kind == UNITS ? obj.n_cells : static_cast<size_t>(obj.n_cells) << shift;
+    }
+    RowUnit at(size_t line, size_t i) const {
+        switch (kind) {
+            case ROWS: return {static_cast<uint32_t>(line), static_cast<uint32_t>(i)};
+            case UNITS: return {static_cast<uint32_t>(i), static_cast<uint32_t>(line)};
+            default: return {static_cast<uint32_t>(i >> shift), static_cast<uint32_t>(line << shift | (i & mask()))};
+        }
+    }
+    RowUnit at(size_t k) const { return at(k / line_len, k % line_len); }
+    uint64_t index(uint32_t row, uint32_t unit) const {
+        switch (kind) {
+            case ROWS: return static_cast<uint64_t>(row) * line_len + unit;
+            case UNITS: return static_cast<uint64_t>(unit) * line_len + row;
+            default: return (unit >> shift) * line_len + (static_cast<uint64_t>(row) << shift) + (unit & mask());
+        }
+    }
+    uint32_t mask() const { return (1u << shift) - 1; }
+};
+
 
 #if defined(__x86_64__)
 // Transposed f16 units [u0, u0 + gn) (gn a multiple of 8) into cell-major floats: 8 units x 8 cells
@@ -404,22 +434,20 @@ double max_finite(int32_t ggml_type) {
     return ggml_type == GGML_F16 ? 65504.0 : ggml_type == GGML_BF16 ? 3.3895313892515355e38 : FLT_MAX;
 }
 
-// Orders escapes collected group by group into state order: a stable counting sort by the state's
-// outer index (cell, or unit when transposed) leaves each outer line's escapes in collection
-// order, already sorted unless anchor/delta coded a group's rows in two passes.
-void sort_escapes(const TensorDesc & t, std::vector<std::pair<uint64_t, int64_t>> & esc) {
-    const size_t n_inner = t.transposed ? t.n_cells : t.n_units;
-    const size_t n_outer = t.transposed ? t.n_units : t.n_cells;
-    std::vector<size_t> start(n_outer + 1, 0);
+// Orders escapes collected group by group (keyed by their index in the coding order `lines`) into
+// that order: a stable counting sort by line leaves each line's escapes in collection order,
+// already sorted unless anchor/delta coded a group's rows in two passes.
+void sort_escapes(const Lines & lines, std::vector<std::pair<uint64_t, int64_t>> & esc) {
+    std::vector<size_t> start(lines.n_lines + 1, 0);
     for (const auto & x : esc) {
-        start[x.first / n_inner + 1]++;
+        start[x.first / lines.line_len + 1]++;
     }
-    for (size_t o = 0; o < n_outer; o++) {
+    for (size_t o = 0; o < lines.n_lines; o++) {
         start[o + 1] += start[o];
     }
     std::vector<std::pair<uint64_t, int64_t>> sorted(esc.size());
     for (const auto & x : esc) {
-        sorted[start[x.first / n_inner]++] = x;
+        sorted[start[x.first / lines.line_len]++] = x;
     }
     if (!std::is_sorted(sorted.begin(), sorted.end())) {
         std::sort(sorted.begin(), sorted.end());
@@ -437,7 +465,8 @@ void copy_rows(const uint8_t * src, size_t n, uint32_t gn, uint8_t * dst, size_t
     }
 }
 
-// A group's cell-major bytes (symbols or raw bits: n rows of gn) into the tensor's state order.
+// A group's cell-major bytes (symbols or raw bits: n rows of gn) into their places in the tensor's
+// memory order (grouped tensors quantize into theirs).
 void place_group(const uint8_t * g, const TensorDesc & t, size_t n, uint32_t u0, uint32_t gn, uint8_t * dst) {
 #if defined(__x86_64__)
     if (t.transposed && gn % 8 == 0 && cpu_has_avx2) {
@@ -501,6 +530,8 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         }
     }
     const size_t n = t.n_cells;
+    s.lossy = true;  // (prepare_tensor starts again lossless if this fails)
+    const Lines lines(t, s);  // the order of e.sym and e.raw
     s.mean_f16.resize(t.n_units);
     s.step_f16.resize(s.n_groups);
     s.shrink_u8.resize(s.n_groups);
@@ -567,7 +598,11 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         }
     }
     s.raw_bits = raw_bits_for(rel, widest);
-    std::vector<uint8_t> gsym(n * s.group), graw(s.raw_bits ? n * s.group : 0);
+    std::vector<uint8_t> gsym, graw;  // a group's symbols and raw bits, when not in place
+    if (lines.kind != Lines::GROUPS) {
+        gsym.resize(n * s.group);
+        graw.resize(s.raw_bits ? n * s.group : 0);
+    }
     if (s.raw_bits) {
         e.raw.reset(new uint8_t[n * t.n_units]);
     }
@@ -612,10 +647,13 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         }
         escapes.clear();
         ShrinkSum shrink;
+        // The group's symbols and raw bits, cell-major: grouped, straight into their place.
+        const bool in_place = lines.kind == Lines::GROUPS;
+        uint8_t * sym = in_place ? &e.sym[static_cast<size_t>(u0) * n] : gsym.data();
+        uint8_t * raw = !s.raw_bits ? nullptr : in_place ? &e.raw[static_cast<size_t>(u0) * n] : graw.data();
         // Anchor/delta: anchor rows (and all rows without the transform) first.
         quantize_rows(values.get(), n, gn, mean, inv_step, s.raw_bits,
-                      s.anchor_tokens ? skip_deltas.data() : is_sink.data(), gsym.data(), graw.data(), shrink,
-                      escapes);
+                      s.anchor_tokens ? skip_deltas.data() : is_sink.data(), sym, raw, shrink, escapes);
         // Values of a bin lie closer to zero than its centre on average (peaked distributions):
         // the decoder reconstructs |q| - shrink, with the group's measured mean offset (anchor
         // rows' offset under anchor/delta: the deltas are coded against the anchors' decoded values).
@@ -624,8 +662,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         s.shrink_u8[gi] = static_cast<uint8_t>(std::clamp(std::lround(mean_shrink * 256.0), 0L, 127L));
         if (s.anchor_tokens) {
             code_deltas(t, s.anchor_tokens, values.get(), n, gn, mean, inv_step, f16_to_f32(s.step_f16[gi]),
-                        s.shrink_u8[gi] / 256.0f, s.raw_bits, is_sink, skip_deltas, gsym.data(),
-                        s.raw_bits ? graw.data() : nullptr, escapes);
+                        s.shrink_u8[gi] / 256.0f, s.raw_bits, is_sink, skip_deltas, sym, raw, escapes);
         }
         // Eight histograms, summed: a group's symbols are few and often equal, and increments of
         // one counter wait on each other (8 apart, the wait hides behind the other seven).
@@ -634,31 +671,33 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         size_t x = 0;
         for (; x + 8 <= n_sym; x += 8) {
             uint64_t w;
-            std::memcpy(&w, &gsym[x], 8);
+            std::memcpy(&w, &sym[x], 8);
             for (int j = 0; j < 8; j++) {
                 part[j][(w >> (8 * j)) & 0xff]++;
             }
         }
         for (; x < n_sym; x++) {
-            part[0][gsym[x]]++;
+            part[0][sym[x]]++;
         }
         uint32_t * c = &counts[static_cast<size_t>(gi) * 256];
         for (int b = 0; b < 256; b++) {
             c[b] = ((part[0][b] + part[1][b]) + (part[2][b] + part[3][b])) +
                    ((part[4][b] + part[5][b]) + (part[6][b] + part[7][b]));
         }
-        place_group(gsym.data(), t, n, u0, gn, e.sym.get());
-        if (s.raw_bits) {
-            place_group(graw.data(), t, n, u0, gn, e.raw.get());
+        if (!in_place) {
+            place_group(sym, t, n, u0, gn, e.sym.get());
+            if (raw) {
+                place_group(raw, t, n, u0, gn, e.raw.get());
+            }
         }
         if (gi == 0) {  // room for as many escapes in every group as in the first, and a quarter more
             e.escapes.reserve(std::min<size_t>(escapes.size() * s.n_groups * 5 / 4, n * t.n_units));
         }
         for (const Escape & x : escapes) {
-            e.escapes.push_back({state_index(t, x.cell, u0 + x.lane), x.q});
+            e.escapes.push_back({lines.index(x.cell, u0 + x.lane), x.q});
         }
     }
-    sort_escapes(t, e.escapes);
+    sort_escapes(lines, e.escapes);
     s.tables.resize(s.n_groups);
     for (uint32_t gi = 0; gi < s.n_groups; gi++) {
         rans::build_table(&counts[static_cast<size_t>(gi) * 256], s.tables[gi]);
@@ -778,13 +817,12 @@ inline void store_value(const LossyDst & d, int32_t type, RowUnit ru, float q) {
     store_float(element_ptr(d, ru), type, dequant(d.mean[ru.unit], d.step[gi], d.shrink[gi], q));
 }
 
-// The scalar reference for elements [k0, k1) of slice sr (lane k % 32 continues from c), one outer
-// line at a time.
-template <int32_t TYPE, bool TRANSPOSED>
-void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, SliceRaw sr, size_t k0, size_t k1,
+// The scalar reference for elements [k0, k1) of slice sr in coding order `lines` (lane k % 32
+// continues from c), line by line.
+template <int32_t TYPE>
+void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, const Lines & lines, SliceRaw sr, size_t k0, size_t k1,
                         std::vector<uint64_t> & esc) {
     const TensorDesc & t = *d.obj;
-    const size_t n_o = n_outer(t), n_i = n_inner(t);
     std::vector<const uint32_t *> slots(t.n_units);
     std::vector<float> step(t.n_units), shrink(t.n_units);
     for (uint32_t u = 0; u < t.n_units; u++) {
@@ -792,30 +830,28 @@ void decode_lossy_lines(rans::Cursor & c, const LossyDst & d, SliceRaw sr, size_
         step[u] = d.step[u / d.group];
         shrink[u] = d.shrink[u / d.group];
     }
-    size_t k = k0, i = k0 % n_i;
-    for (size_t o = k0 / n_i; o < n_o && k < k1; o++, i = 0) {
-        uint8_t * line = TRANSPOSED ? d.base + o * d.dst.unit : d.base + d.row_cell[o] * d.dst.cell;
-        const size_t i_end = std::min(n_i, i + (k1 - k));
+    size_t k = k0, i = k0 % lines.line_len;
+    for (size_t o = k0 / lines.line_len; o < lines.n_lines && k < k1; o++, i = 0) {
+        const size_t i_end = std::min(lines.line_len, i + (k1 - k));
         for (; i < i_end; i++, k++) {
-            const size_t u = TRANSPOSED ? o : i;
-            const uint8_t s = rans::decode_symbol(c, k % rans::LANES, slots[u]);
+            const RowUnit ru = lines.at(o, i);
+            const uint8_t s = rans::decode_symbol(c, k % rans::LANES, slots[ru.unit]);
             if (s == SYM_ESCAPE) {
                 esc.push_back(k);
             }
-            uint8_t * p = TRANSPOSED ? line + d.row_cell[i] * d.dst.cell : line + i * d.dst.unit;
             const uint32_t raw = d.raw_bits ? lanes::raw_at(sr.raw, k - sr.k0, d.raw_bits) : 0;
-            store_float(p, TYPE, dequant(d.mean[u], step[u], shrink[u], lanes::symbol_q(s, d.raw_bits, raw)));
+            store_float(element_ptr(d, ru), TYPE,
+                        dequant(d.mean[ru.unit], step[ru.unit], shrink[ru.unit], lanes::symbol_q(s, d.raw_bits, raw)));
         }
     }
 }
 
-void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, SliceRaw sr, size_t k0, size_t k1,
+void decode_lossy_scalar(rans::Cursor & c, const LossyDst & d, const Lines & lines, SliceRaw sr, size_t k0, size_t k1,
                          std::vector<uint64_t> & esc) {
-    const bool tr = d.obj->transposed;
     switch (d.obj->ggml_type) {
-        case GGML_F16: return tr ? decode_lossy_lines<GGML_F16, true>(c, d, sr, k0, k1, esc) : decode_lossy_lines<GGML_F16, false>(c, d, sr, k0, k1, esc);
-        case GGML_BF16: return tr ? decode_lossy_lines<GGML_BF16, true>(c, d, sr, k0, k1, esc) : decode_lossy_lines<GGML_BF16, false>(c, d, sr, k0, k1, esc);
-        default: return tr ? decode_lossy_lines<GGML_F32, true>(c, d, sr, k0, k1, esc) : decode_lossy_lines<GGML_F32, false>(c, d, sr, k0, k1, esc);
+        case GGML_F16: return decode_lossy_lines<GGML_F16>(c, d, lines, sr, k0, k1, esc);
+        case GGML_BF16: return decode_lossy_lines<GGML_BF16>(c, d, lines, sr, k0, k1, esc);
+        default: return decode_lossy_lines<GGML_F32>(c, d, lines, sr, k0, k1, esc);
     }
 }
 
@@ -920,17 +956,17 @@ __attribute__((target("avx2,f16c"))) size_t decode_symbols_avx2(rans::Cursor & c
     return k;
 }
 
-// Elements [k0, k1) of a slice (k0 a multiple of 32) into f16 destination rows at consecutive
-// cells from row_cell[0]; 8 consecutive elements of the object share a row (units % 8 == 0) or a
-// unit (transposed, cells % 8 == 0). Returns the element reached: a multiple of 32, where the
-// scalar decoder takes over (the last, partial step, or the last 32 words, which are read with
-// bounds checks).
+// Elements [k0, k1) of a slice (k0 a multiple of 32) in coding order `lines` into f16 destination
+// rows at consecutive cells from row_cell[0]; 8 consecutive elements of the object share a row
+// (ROWS: units % 8 == 0; GROUPS always) or a unit (UNITS: cells % 8 == 0). Returns the element
+// reached: a multiple of 32, where the scalar decoder takes over (the last, partial step, or the
+// last 32 words, which are read with bounds checks).
 // ESCAPES: some table of the tensor gives the escape symbol (else no symbol can be one, and the
 // bookkeeping, 7 of the ~45 instructions of a vector, is left out). RAW: d.raw_bits > 0, slice sr's.
 template <bool GATHER, bool ESCAPES, bool RAW>
-__attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor & c, const LossyDst & d, SliceRaw sr,
-                                                                   size_t k0, size_t k1, uint32_t * esc,
-                                                                   size_t & n_esc) {
+__attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor & c, const LossyDst & d,
+                                                                   const Lines & lines, SliceRaw sr, size_t k0,
+                                                                   size_t k1, uint32_t * esc, size_t & n_esc) {
     const TensorDesc & t = *d.obj;
     const uint32_t c0 = d.row_cell[0];
     __m256i x[4];
@@ -944,8 +980,9 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
     const __m256i raw_lane = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(b));
     const __m256i raw_mask = _mm256_set1_epi32((1 << b) - 1);
     // row and unit of the next vector's first element
-    uint32_t row = static_cast<uint32_t>(t.transposed ? k0 % t.n_cells : k0 / t.n_units);
-    uint32_t unit = static_cast<uint32_t>(t.transposed ? k0 / t.n_cells : k0 % t.n_units);
+    const RowUnit first = lines.at(k0);
+    uint32_t row = first.row, unit = first.unit;
+    const uint32_t group_mask = lines.mask();
     size_t k = k0;
     const size_t n_full = k0 + (k1 - k0) / rans::LANES * rans::LANES;
     const uint8_t * ptr = c.ptr;  // a local: stores to the destination cannot alias it
@@ -954,7 +991,7 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
             const uint32_t gi = unit / d.group;
             __m256 mean;
             uint8_t * out;
-            if (t.transposed) {
+            if (lines.kind == Lines::UNITS) {
                 mean = _mm256_set1_ps(d.mean[unit]);
                 out = d.base + unit * d.dst.unit + (c0 + row) * 2;
                 if ((row += 8) == t.n_cells) {
@@ -964,9 +1001,18 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
             } else {
                 mean = _mm256_loadu_ps(d.mean + unit);
                 out = d.base + (c0 + row) * d.dst.cell + unit * 2;
-                if ((unit += 8) == t.n_units) {
-                    unit = 0;
-                    row++;
+                unit += 8;
+                if (lines.kind == Lines::ROWS) {
+                    if (unit == t.n_units) {
+                        unit = 0;
+                        row++;
+                    }
+                } else if ((unit & group_mask) == 0) {  // GROUPS: the group's next row, or the next group
+                    unit -= group_mask + 1;
+                    if (++row == t.n_cells) {
+                        row = 0;
+                        unit += group_mask + 1;
+                    }
                 }
             }
             const __m256i s = lanes8_step<GATHER>(x[v], d.slots + gi * rans::PROB_SCALE, ptr);
@@ -1010,6 +1056,7 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     const uint32_t stream_bytes = r.u32();
     const std::vector<rans::Slice> slices = rans::read_slices(r.take(stream_bytes), stream_bytes, n, true);
     const uint32_t b = dec.stats.raw_bits;
+    const Lines lines(obj, dec.stats);
     const LossyDst d{&obj, dec.slots.data(), dec.mean.data(), dec.step.data(), dec.shrink.data(), dec.stats.group,
                      b, base, Strides(dst), row_cell.data()};
     bool vector_ok = false;
@@ -1019,12 +1066,13 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
         contiguous = row_cell[i] == row_cell[0] + i;
     }
     vector_ok = cpu_has_avx2 && contiguous && obj.ggml_type == GGML_F16 &&
-                (obj.transposed ? obj.n_cells % 8 == 0 : obj.n_units % 8 == 0);
+                (lines.kind == Lines::UNITS ? obj.n_cells % 8 == 0 : obj.n_units % 8 == 0);
     bool escapes = false;  // whether any table gives the escape symbol
     for (const rans::Table & tab : dec.stats.tables) {
         escapes |= tab.freq[SYM_ESCAPE] != 0;
     }
-    using VectorDecode = size_t (*)(rans::Cursor &, const LossyDst &, SliceRaw, size_t, size_t, uint32_t *, size_t &);
+    using VectorDecode =
+        size_t (*)(rans::Cursor &, const LossyDst &, const Lines &, SliceRaw, size_t, size_t, uint32_t *, size_t &);
     static constexpr VectorDecode vector_decoders[2][2][2] = {  // [gather][escapes][raw bits]
         {{decode_lossy_f16_avx2<false, false, false>, decode_lossy_f16_avx2<false, false, true>},
          {decode_lossy_f16_avx2<false, true, false>, decode_lossy_f16_avx2<false, true, true>}},
@@ -1057,13 +1105,13 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
 #if defined(__x86_64__)
         if (vector_ok) {
             size_t n_esc = 0;
-            k = vector_decode(c, d, sr, k, sl.k1, slice_esc.get(), n_esc);
+            k = vector_decode(c, d, lines, sr, k, sl.k1, slice_esc.get(), n_esc);
             for (size_t e = 0; e < n_esc; e++) {
                 esc.push_back(sl.k0 + slice_esc[e]);
             }
         }
 #endif
-        decode_lossy_scalar(c, d, sr, k, sl.k1, esc);
+        decode_lossy_scalar(c, d, lines, sr, k, sl.k1, esc);
         rans::close_stream(c);
         LCG_CHECK(esc.size() - before == sl.count, LCG_ERR_CORRUPT, "rANS slice declares %u escapes, its symbols %zu",
                   sl.count, esc.size() - before);
@@ -1071,16 +1119,16 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     const uint64_t n_escapes = r.varint();
     LCG_CHECK(n_escapes == esc.size(), LCG_ERR_CORRUPT, "tensor declares %llu escapes, its symbols %zu",
               (unsigned long long) n_escapes, esc.size());
-    // Escapes in element order: a division only where one starts a new outer line.
-    const size_t n_i = n_inner(obj);
-    size_t o = 0, line = 0;  // the outer line of the last escape and its first element
+    // Escapes in coding order: a division only where one starts a new line.
+    const size_t n_i = lines.line_len;
+    size_t o = 0, line = 0;  // the line of the last escape and its first element
     auto walk = [&](auto && put) {
         for (uint64_t k_esc : esc) {
             if (k_esc - line >= n_i) {
                 o = k_esc / n_i;
                 line = o * n_i;
             }
-            put(row_unit(obj, o, k_esc - line), static_cast<float>(read_escape(r)));
+            put(lines.at(o, k_esc - line), static_cast<float>(read_escape(r)));
         }
     };
     if (obj.ggml_type == GGML_F16) {  // the common type, a constant
@@ -1235,6 +1283,10 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
 }
 
 } // namespace
+
+bool grouped_order(const TensorDesc & t, const TensorStats & s) {
+    return s.lossy && !t.transposed && t.n_units % s.group == 0;
+}
 
 void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t) {
     w.u8(s.lossy ? CODING_LOSSY : CODING_LOSSLESS);
@@ -1393,41 +1445,44 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     for (size_t r = 1; r < cells.size() && contiguous; r++) {
         contiguous = cells[r] == cells[0] + r;
     }
-    // Unit u codes with table group u / group: per unit, its table.
-    std::vector<const rans::EncTable *> unit_table(t.n_units);
+    const Lines lines(obj, s), whole(t, s);  // the object's coding order, and e.sym's
+    // Each line's table (a unit's, a group's) or, in memory order, each unit's along a row.
+    std::vector<const rans::EncTable *> unit_table(lines.kind == Lines::GROUPS ? lines.n_lines : t.n_units);
     auto coded = [&](const rans::EncTable * tables) {
-        for (uint32_t u = 0; u < t.n_units; u++) {
-            unit_table[u] = &tables[u / s.group];
+        for (size_t u = 0; u < unit_table.size(); u++) {
+            unit_table[u] = &tables[lines.kind == Lines::GROUPS ? u : u / s.group];
         }
         // The stream goes straight into w after its byte count, filled in when it is known.
         const size_t at = w.buf.size();
         w.u32(0);
         // Lossy slices count their escape symbols in the stream's directory.
-        rans::encode_stream({symbols, n_outer(obj), n_inner(obj), t.transposed, unit_table.data(), raws, s.raw_bits},
+        rans::encode_stream({symbols, lines.n_lines, lines.line_len, lines.kind != Lines::ROWS, unit_table.data(), raws,
+                             s.raw_bits},
                             slice_elements, s.lossy ? SYM_ESCAPE : -1, w);
         const size_t bytes = w.buf.size() - at - 4;
         LCG_CHECK(bytes <= UINT32_MAX, LCG_ERR_LIMIT, "a stream of %zu bytes (at most 4 GiB per tensor)", bytes);
         w.u32_at(at, static_cast<uint32_t>(bytes));
     };
     if (s.lossy) {
-        // The encoder's bytes (symbols, raw bits) of the object's elements in its memory order.
-        const size_t state_inner = t.transposed ? t.n_cells : t.n_units;
+        // The encoder's bytes (symbols, raw bits) of the object's elements in its coding order.
         auto object_order = [&](const uint8_t * all, std::unique_ptr<uint8_t[]> & own) -> const uint8_t * {
-            if (contiguous && !cells.empty() && (!t.transposed || cells.size() == t.n_cells)) {
+            const bool run = contiguous && !cells.empty();
+            if (run && (lines.kind == Lines::ROWS || cells.size() == t.n_cells)) {
                 // rows of the state, or all of it: a run of the encoder's bytes
-                return &all[t.transposed ? 0 : static_cast<size_t>(cells[0]) * t.n_units];
+                return &all[lines.kind == Lines::ROWS ? static_cast<size_t>(cells[0]) * t.n_units : 0];
             }
             own.reset(new uint8_t[n]);
-            if (contiguous && !cells.empty()) {  // a run of cells of each transposed unit
-                for (size_t o = 0; o < n_outer(obj); o++) {
-                    std::memcpy(&own[o * n_inner(obj)], &all[cells[0] + o * state_inner], n_inner(obj));
+            if (run) {  // each line (a unit, a group) holds the run of cells side by side
+                const size_t per_row = lines.line_len / cells.size();  // 1 or a group
+                for (size_t o = 0; o < lines.n_lines; o++) {
+                    std::memcpy(&own[o * lines.line_len], &all[o * whole.line_len + cells[0] * per_row], lines.line_len);
                 }
                 return own.get();
             }
-            for (size_t o = 0, k = 0; o < n_outer(obj); o++) {
-                for (size_t i = 0; i < n_inner(obj); i++, k++) {
-                    const RowUnit ru = row_unit(obj, o, i);
-                    own[k] = all[state_index(t, cells[ru.row], ru.unit)];
+            for (size_t o = 0, k = 0; o < lines.n_lines; o++) {
+                for (size_t i = 0; i < lines.line_len; i++, k++) {
+                    const RowUnit ru = lines.at(o, i);
+                    own[k] = all[whole.index(cells[ru.row], ru.unit)];
                 }
             }
             return own.get();
@@ -1444,14 +1499,14 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
             return;
         }
         // Otherwise each escape symbol's value is the entry after the previous one when the rows
-        // run in state order (chunks of contiguous cells), else found by binary search.
+        // run in coding order (chunks of contiguous cells), else found by binary search.
         std::vector<size_t> escaped;
         find_byte(symbols, n, SYM_ESCAPE, escaped);
         w.varint(escaped.size());
         auto entry = e.escapes.begin();
         for (size_t j = 0; j < escaped.size(); j++) {
-            const RowUnit ru = row_unit(obj, escaped[j]);
-            const uint64_t at = state_index(t, cells[ru.row], ru.unit);
+            const RowUnit ru = lines.at(escaped[j]);
+            const uint64_t at = whole.index(cells[ru.row], ru.unit);
             if (j == 0 || entry + 1 == e.escapes.end() || (++entry)->first != at) {
                 entry = std::lower_bound(e.escapes.begin(), e.escapes.end(), std::make_pair(at, INT64_MIN));
             }

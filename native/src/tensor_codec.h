@@ -34,14 +34,19 @@ struct TensorStats {
 };
 
 void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t);
+
+// Whether t's objects code their elements group by group (docs/format.md, "Rows of an object, and
+// their order"): lossy, not transposed, its units a whole number of groups.
+bool grouped_order(const TensorDesc & t, const TensorStats & s);
 TensorStats read_stats(ByteReader & r, const TensorDesc & t);
 
 // Everything the encoder derives from the whole tensor once, to code any subset of its cells.
 struct TensorEncoder {
     TensorStats stats;
-    std::unique_ptr<uint8_t[]> sym;  // lossy: one symbol per element, state order (each written once: no zeroing)
-    std::unique_ptr<uint8_t[]> raw;  // lossy with raw_bits: each element's raw bits, as sym
-    std::vector<std::pair<uint64_t, int64_t>> escapes;  // lossy: (element index in state order, q), sorted
+    // lossy: one symbol per element, in the coding order of the whole tensor (docs/format.md, "Rows
+    // of an object"; each written once: no zeroing), and with raw_bits each element's raw bits
+    std::unique_ptr<uint8_t[]> sym, raw;
+    std::vector<std::pair<uint64_t, int64_t>> escapes;  // lossy: (element index in that order, q), sorted
     std::vector<rans::EncTable> enc;                  // one per table
 };
 

@@ -66,7 +66,7 @@ class CompressedStateCache(BaseLlamaCache):
 
     A recurrent or hybrid model's state holds the recurrent state of its last position only, so no
     prefix can be cut from it: for such a model the cache stores whole contexts instead, one
-    container each (`lcg3/snapshots/<fingerprint key>/<tokens>-<hash of the tokens>`), and a hit is
+    container each (`lcg4/snapshots/<fingerprint key>/<tokens>-<hash of the tokens>`), and a hit is
     the longest one whose tokens all start the prompt (found by listing them, longest first). A
     purely recurrent model has no KV cache: its cache stores nothing and always misses.
     """

@@ -4,10 +4,10 @@ A saved context is a manifest plus shared objects in one store (docs/format.md, 
 layout"):
 
     <manifest key>                   the manifest: tokens, fingerprint, chunk keys, levels, sizes
-    lcg3/chunks/<H_i>/<level>        K/V of positions [i*C, min((i+1)*C, n)) at one level
-    lcg3/stats/<sha256>              statistics of one level of one save (quantizer, tables)
-    lcg3/skeletons/<sha256>          a state without its K/V: what llama.cpp needs besides the rows
-    lcg3/wholes/<sha256>             a whole container, for states that cannot be chunked
+    lcg4/chunks/<H_i>/<level>        K/V of positions [i*C, min((i+1)*C, n)) at one level
+    lcg4/stats/<sha256>              statistics of one level of one save (quantizer, tables)
+    lcg4/skeletons/<sha256>          a state without its K/V: what llama.cpp needs besides the rows
+    lcg4/wholes/<sha256>             a whole container, for states that cannot be chunked
 
 (`lcg<format version>/`: objects of another container format version live apart and are never
 taken for this one's.)
@@ -259,7 +259,7 @@ class Manifest:
     logits); the header says where the K/V is. Chunked (`chunk_tokens` set): the skeleton's id, per
     level the statistics id this save wrote (None when the store had every chunk of that level),
     and per chunk its key and the sizes of its levels. Whole (`chunk_tokens` None): per level the
-    id and size of a whole container under `lcg3/wholes/<id>`.
+    id and size of a whole container under `lcg4/wholes/<id>`.
     """
 
     meta: StateMeta

@@ -79,9 +79,17 @@ LCG_HD inline void store_value(uint8_t * p, const TensorJob & t, float v) {
     store_bytes(p, h, 2);
 }
 
-// Element (outer, inner) of the object in the destination.
+// Row and unit of element (line o, i) of the object (TensorJob.grouped).
+LCG_HD inline uint64_t row_of(const TensorJob & t, uint64_t o, uint64_t i) {
+    return t.grouped ? i >> t.group_shift : t.transposed ? i : o;
+}
+LCG_HD inline uint64_t unit_of(const TensorJob & t, uint64_t o, uint64_t i) {
+    return t.grouped ? o << t.group_shift | (i & ((1u << t.group_shift) - 1)) : t.transposed ? o : i;
+}
+
+// Element (line o, i) of the object in the destination.
 LCG_HD inline uint8_t * element(const Args & a, const TensorJob & t, uint64_t o, uint64_t i) {
-    const uint64_t row = t.transposed ? i : o, unit = t.transposed ? o : i;
+    const uint64_t row = row_of(t, o, i), unit = unit_of(t, o, i);
     const uint64_t cell = t.rows == ~0ull ? row : LCG_LDG(reinterpret_cast<const uint32_t *>(a.arena + t.rows) + row);
     return a.dst + t.dst + cell * t.cell_stride + unit * t.unit_stride;
 }
@@ -137,7 +145,7 @@ LCG_HD inline void lane_decode(const Walk & w, Lane & l) {
     l.need = false;
     l.sym = 0;
     if (l.active) {
-        const uint64_t unit = w.t.transposed ? l.o : l.i;
+        const uint64_t unit = unit_of(w.t, l.o, l.i);
         const uint32_t e = lookup(w.tables[unit >> w.t.group_shift], l.x & (lanes::PROB_SCALE - 1));
         l.x = lanes::advance(l.x, e);
         l.need = lanes::needs_word(l.x);
@@ -168,7 +176,7 @@ LCG_HD inline void lane_store(const Args & a, const Walk & w, const Lane & l) {
     uint8_t * p = element(a, w.t, l.o, l.i);
     if (w.t.lossy) {
         const uint32_t raw = w.t.raw_bits ? lanes::raw_at(a.container + w.sj.raw, l.k - w.sj.k0, w.t.raw_bits) : 0;
-        store_value(p, w.t, reconstruct(a, w.t, w.t.transposed ? l.o : l.i, lanes::symbol_q(l.sym, w.t.raw_bits, raw)));
+        store_value(p, w.t, reconstruct(a, w.t, unit_of(w.t, l.o, l.i), lanes::symbol_q(l.sym, w.t.raw_bits, raw)));
     } else {
         p[w.sj.plane] = uint8_t(l.sym);
     }
@@ -224,7 +232,7 @@ LCG_HD inline void patch_escape(const Args & a, const SliceJob & sj, uint64_t e)
         return;  // cannot happen after a successful decode; never write out of bounds
     }
     const uint64_t o = k / t.n_inner, i = k % t.n_inner;
-    store_value(element(a, t, o, i), t, reconstruct(a, t, t.transposed ? o : i, a.escape_q[sj.escapes + e]));
+    store_value(element(a, t, o, i), t, reconstruct(a, t, unit_of(t, o, i), a.escape_q[sj.escapes + e]));
 }
 
 // Byte k (memory order) of a stored lossless byte plane.

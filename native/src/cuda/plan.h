@@ -33,7 +33,7 @@ struct TensorJob {
     uint64_t cell_stride;            // bytes between cells, in the destination
     uint64_t unit_stride;            // bytes between units, in the destination
     uint64_t rows;                   // arena offset of the u32 object row -> cell map; ~0: identity
-    uint64_t n_outer, n_inner;       // the object's elements in memory order (docs/format.md)
+    uint64_t n_outer, n_inner;       // the object's elements in coding order (docs/format.md): lines
     uint64_t mean, step, shrink;     // lossy: stats-space offsets of the f32 arrays (per unit, group, group)
     uint32_t transposed;
     uint32_t ggml_type;              // lossy: f32, f16 or bf16
@@ -42,6 +42,9 @@ struct TensorJob {
     uint32_t lossy;
     uint32_t aligned;                // the destination allows unit-sized stores
     uint32_t raw_bits;               // lossy: q's low bits sent raw (lanes.h)
+    uint32_t grouped;                // lines are groups: element (o, i) is row i >> group_shift of unit
+                                     // o << group_shift | i's low bits; else (o, i) is (row, unit) or,
+                                     // transposed, (unit, row)
 };
 
 // One slice of a stream (docs/format.md, "Streams"): 32 lanes, one warp decodes it.
