@@ -490,21 +490,85 @@ void place_group(const uint8_t * g, const TensorDesc & t, size_t n, uint32_t u0,
     }
 }
 
-// How many of q's low bits go raw at a step of rel group deviations, `widest` the largest |q| the
-// tensor can reach: q spreads over about 1 / rel, and bits below a twelfth of that are close to
-// uniform (measured on SmolLM2 at `high`: 2 raw bits cost 0.1% over the best choice per tensor,
-// against 3% of values escaping without). Where some bits go raw already, one more costs ~0.005
-// bits per value and keeps a tensor with outliers off the decoder's escape path (at `high`, 14
-// SmolLM2 tensors had a few escapes left: 88 in all).
-uint32_t raw_bits_for(double rel, double widest) {
-    uint32_t b = 0;
-    while (b < lanes::MAX_RAW_BITS && 12.0 * rel * static_cast<double>(2u << b) <= 1.0) {
-        b++;
+// How many of q's low bits go raw (0..MAX_RAW_BITS): the b with the fewest estimated bits per value
+// over a sample of the tensor's q (~8K of the sampled rows' values, about their sample means):
+// the entropy of q >> b, Miller-Madow corrected (a sample's plug-in entropy runs low by about the
+// symbols seen / (2 n ln 2), more for finer symbols), plus b raw bits, plus 16 bits per escape
+// (|q| > 127 * 2^b). Low bits are close to uniform where a value's bulk spans many steps (SmolLM2 at
+// `high`: 2-3 raw bits, no escapes left, 1.6% smaller), not where a few far values inflate the
+// deviations the steps follow (Cauchy-like tails: a rule on the deviation sent 4 raw bits of a
+// bulk a few steps wide, 25-30% larger). Where some bits go raw, one more costs ~0.005 bits per
+// value and, where it reaches `widest` (the largest |q| the tensor's values can take, which a
+// sample misses), keeps the tensor off the decoder's escape path.
+uint32_t choose_raw_bits(const std::vector<float> & sample, uint32_t n_units, uint32_t group,
+                         const std::vector<double> & group_step, double widest) {
+    const size_t n_rows = sample.size() / n_units;
+    if (n_rows == 0) {
+        return 0;
     }
-    if (b >= 1 && b < lanes::MAX_RAW_BITS && widest > static_cast<double>(127u << b)) {
-        b++;
+    std::vector<double> mean(n_units, 0.0);
+    for (size_t r = 0; r < n_rows; r++) {
+        for (uint32_t u = 0; u < n_units; u++) {
+            mean[u] += sample[r * n_units + u];
+        }
     }
-    return b;
+    constexpr int32_t REACH = 127 << lanes::MAX_RAW_BITS;  // |q| past this escapes at any b
+    std::vector<uint32_t> hist(2 * REACH + 1, 0);
+    uint64_t n = 0, far = 0;
+    const size_t stride = std::max<size_t>(1, sample.size() / 8192) | 1;  // odd: every unit in turn
+    for (size_t k = 0; k < sample.size(); k += stride) {
+        const uint32_t u = static_cast<uint32_t>(k % n_units);
+        const double step = group_step[u / group];
+        if (!(step > 0.0)) {
+            continue;
+        }
+        const double q = std::nearbyint((sample[k] - mean[u] / static_cast<double>(n_rows)) / step);
+        n++;
+        if (std::fabs(q) > REACH) {
+            far++;
+        } else {
+            hist[static_cast<size_t>(q + REACH)]++;
+        }
+    }
+    if (n == 0) {
+        return 0;
+    }
+    uint32_t best = 0;
+    double best_bits = 0.0;
+    std::vector<uint32_t> sym(256);
+    for (uint32_t b = 0; b <= lanes::MAX_RAW_BITS; b++) {
+        std::fill(sym.begin(), sym.end(), 0u);
+        uint64_t escapes = far;
+        for (int32_t q = -REACH; q <= REACH; q++) {
+            const uint32_t c = hist[static_cast<size_t>(q + REACH)];
+            if (std::abs(q) > (127 << b)) {
+                escapes += c;
+            } else {
+                sym[static_cast<size_t>((q >> b) + SYM_ZERO)] += c;
+            }
+        }
+        sym[SYM_ESCAPE] += static_cast<uint32_t>(escapes);
+        double h = 0.0;
+        uint32_t seen = 0;
+        for (uint32_t c : sym) {
+            if (c) {
+                const double p = static_cast<double>(c) / static_cast<double>(n);
+                h -= p * std::log2(p);
+                seen++;
+            }
+        }
+        h += (seen - 1) / (2.0 * static_cast<double>(n) * std::log(2.0));
+        const double bits = h + b + 16.0 * static_cast<double>(escapes) / static_cast<double>(n);
+        if (b == 0 || bits < best_bits) {
+            best = b;
+            best_bits = bits;
+        }
+    }
+    if (best >= 1 && best < lanes::MAX_RAW_BITS && widest > static_cast<double>(127u << best) &&
+        widest <= static_cast<double>(127u << (best + 1))) {
+        best++;
+    }
+    return best;
 }
 
 // Quantizes the whole tensor, group by group; false when a value is not finite. The step of a
@@ -586,18 +650,19 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         rel = per_row > 0.0 ? std::sqrt(12.0 * budget / per_row) * ramp : 1.0;
     }
     double widest = 0.0;  // the largest |q| a group's values can reach
+    std::vector<double> group_step(s.n_groups);
     for (uint32_t gi = 0; gi < s.n_groups; gi++) {
         const uint32_t u0 = gi * s.group, u1 = std::min(t.n_units, u0 + s.group);
         double mean_max = 0.0;
         for (uint32_t u = u0; u < u1; u++) {
             mean_max = std::max(mean_max, std::fabs(mean_d[u]));
         }
-        const double step = rel * std::sqrt(group_var[gi]);
-        if (step > 0.0) {
-            widest = std::max(widest, (s.anchor_tokens ? 2.0 : 1.0) * (group_max[gi] + mean_max) / step);
+        group_step[gi] = rel * std::sqrt(group_var[gi]);
+        if (group_step[gi] > 0.0) {
+            widest = std::max(widest, (s.anchor_tokens ? 2.0 : 1.0) * (group_max[gi] + mean_max) / group_step[gi]);
         }
     }
-    s.raw_bits = raw_bits_for(rel, widest);
+    s.raw_bits = choose_raw_bits(sample, t.n_units, s.group, group_step, widest);
     std::vector<uint8_t> gsym, graw;  // a group's symbols and raw bits, when not in place
     if (lines.kind != Lines::GROUPS) {
         gsym.resize(n * s.group);
