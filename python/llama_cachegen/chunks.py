@@ -68,8 +68,6 @@ CHUNK_META_MAGIC = b"LCGK"
 CHUNK_META_VERSION = 1
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS = 16, 4096, 256
 DEFAULT_LEVELS = ("high", "balanced", "compact")
-# best first: a loader takes the first level a chunk has
-PREFERENCE = ("lossless", "high", "balanced", "compact")
 PREFIX = f"lcg{FORMAT_VERSION}/"
 
 _MAX_MANIFEST_HEADER = 64 << 20  # ~100 bytes of JSON per chunk: 2^28 tokens at C = 4096 fit
@@ -110,7 +108,7 @@ def _check_levels(levels: Sequence[str]) -> tuple[str, ...]:
         raise InvalidArgumentError("levels must be a non-empty sequence of level names")
     for level in levels:
         codec._level(level)  # raises on an unknown name
-    return tuple(sorted(set(levels), key=PREFERENCE.index))
+    return tuple(sorted(set(levels), key=codec.LEVEL_ORDER.index))
 
 
 # ---- keys ---------------------------------------------------------------------------------------
@@ -273,7 +271,7 @@ class Manifest:
     def levels(self) -> tuple[str, ...]:
         """Levels stored, best first."""
         names = self.wholes if self.chunk_tokens is None else self.stats
-        return tuple(lv for lv in PREFERENCE if lv in names)
+        return tuple(lv for lv in codec.LEVEL_ORDER if lv in names)
 
     def pack(self) -> bytes:
         header = {
@@ -708,7 +706,7 @@ def worse_load(lossy: tuple[int, str] | None, begin: int, level: str) -> tuple[i
 
 def _candidates(sizes: dict[str, Any], level: str | None, index: int) -> tuple[str, ...]:
     if level is None:
-        return tuple(lv for lv in PREFERENCE if lv in sizes)
+        return tuple(lv for lv in codec.LEVEL_ORDER if lv in sizes)
     if level not in sizes:
         raise EntryNotFoundError(f"chunk {index} is not stored at level {level!r} (only {', '.join(sizes)})")
     return (level,)
@@ -845,7 +843,7 @@ def _match(
     keys: list[str] = []
     levels: list[tuple[str, ...]] = []
     for key in chain_keys(fingerprint, tokens, chunk_tokens):
-        stored = tuple(lv for lv in PREFERENCE if store.exists(_chunk_key(key, lv)))
+        stored = tuple(lv for lv in codec.LEVEL_ORDER if store.exists(_chunk_key(key, lv)))
         if not stored:
             break
         keys.append(key)

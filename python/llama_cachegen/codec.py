@@ -20,6 +20,7 @@ LEVELS: dict[str, int] = {
     name: getattr(lib, f"LCG_LEVEL_{name.upper()}") for name in ("lossless", "high", "balanced", "compact")
 }
 LEVEL_NAMES: dict[int, str] = {v: k for k, v in LEVELS.items()}
+LEVEL_ORDER: tuple[str, ...] = tuple(LEVELS)  # best first: lossless, high, balanced, compact
 KINDS: dict[str, int] = {
     name: getattr(lib, f"LCG_KIND_{name.upper()}")
     for name in ("auto", "seq_buffer", "full_buffer", "seq_file", "session")

@@ -470,12 +470,9 @@ def load_compressed_state(
     )
 
 
-_LEVEL_ORDER = tuple(codec.LEVELS)  # best first
-
-
 def better_level(level: str, than: str) -> bool:
     """Whether `level` keeps more than `than` (lossless > high > balanced > compact)."""
-    return _LEVEL_ORDER.index(level) < _LEVEL_ORDER.index(than)
+    return codec.LEVEL_ORDER.index(level) < codec.LEVEL_ORDER.index(than)
 
 
 @dataclass(frozen=True)
@@ -512,7 +509,7 @@ def lossy_level_anywhere(tokens: np.ndarray) -> str | None:
     (a prompt cache): the worst level any of them holds for these tokens (another context that
     loaded the same tokens lossy counts too: a caution, never a wrong answer)."""
     records = [r for per_target in list(_lossy_loads.values()) for r in list(per_target.values())]
-    return max((r.level for r in records if r.held_by(tokens)), key=_LEVEL_ORDER.index, default=None)
+    return max((r.level for r in records if r.held_by(tokens)), key=codec.LEVEL_ORDER.index, default=None)
 
 
 def restore_context(

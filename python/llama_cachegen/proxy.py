@@ -311,7 +311,7 @@ class Sharing:
         """The level to load (None: don't load): `load_level`, else the best level every matched
         chunk has whose estimated fetch fits the SLO (the smallest when none does); None when
         even that is estimated slower than the server recomputing the prefix."""
-        common = [lv for lv in chunks.PREFERENCE if all(lv in s for s in stored)]
+        common = [lv for lv in codec.LEVEL_ORDER if all(lv in s for s in stored)]
         if self.load_level is not None:
             return self.load_level if self.load_level in common else None
         if not common:
