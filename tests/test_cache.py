@@ -173,6 +173,28 @@ def test_eviction_keeps_the_byte_capacity_and_is_lru(
     assert kept == [0, 3, 4]
 
 
+def test_a_cache_smaller_than_a_prompt_keeps_its_first_chunks(
+    tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
+) -> None:
+    """Room for less than one context: eviction takes the chain's last chunk first (its first ones
+    are marked the most recent), so the context's first chunk still hits; losing that one instead
+    would leave a tail no prompt can use."""
+    llm = _llama()
+    probe = CompressedStateCache(tmp_path / "probe", level="lossless", chunk_tokens=C, model=llm)
+    tokens = _tokens(states[0])
+    probe[tokens] = states[0]
+    for capacity in (probe.cache_size - 1, int(probe.cache_size * 0.8)):
+        cache = CompressedStateCache(
+            tmp_path / f"c{capacity}", level="lossless", chunk_tokens=C, capacity_bytes=capacity, model=llm
+        )
+        cache[tokens] = states[0]
+        assert 0 < cache.cache_size <= capacity
+        assert cache._match(tokens).chunks == 1
+        assert cache[tokens].n_tokens == C
+        cache[tokens] = states[0]  # saved again: the same chunk evicted, the first kept
+        assert cache._match(tokens).chunks == 1
+
+
 _WRITER = """
 import sys
 from llama_cachegen import CompressedStateCache, Llama

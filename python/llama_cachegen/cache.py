@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -189,7 +190,7 @@ class CompressedStateCache(BaseLlamaCache):
                 state, skeleton, _ = chunks._assemble(reader, None, self.threads)
                 if codec.inspect(skeleton)["kind"] != "full_buffer":
                     raise InvalidArgumentError("the chunks' skeleton is not a whole-context state")
-                used = [chunks._chunk_key(k, self.level) for k in match.keys]
+                used = [chunks._chunk_key(k, self.level) for k in reversed(match.keys)]
                 used += [chunks._stats_key(i) for i in reader.stats_ids]
                 used.append(chunks._skeleton_key(chunks._sha256(skeleton)))
         except EntryNotFoundError:  # evicted by another process since the lookup: gone for good
@@ -200,9 +201,7 @@ class CompressedStateCache(BaseLlamaCache):
             self._drop(match)
             self.misses += 1
             raise KeyError(f"unusable cached prefix: {exc}") from exc
-        for key_used in used:  # the LRU clock of everything the hit needed (best effort: a
-            with contextlib.suppress(OSError, CacheGenError):  # read-only store still serves hits)
-                self.store.touch(key_used)
+        self._mark_used(used)
         self.hits += 1
         input_ids = np.zeros(self._n_ctx or prefix.size, dtype=np.intc)
         input_ids[: prefix.size] = prefix
@@ -217,6 +216,17 @@ class CompressedStateCache(BaseLlamaCache):
             llama_state_size=len(state),
             seed=0,
         )
+
+    def _mark_used(self, keys: list[str]) -> None:
+        """Sets the LRU clock of `keys`, each a microsecond after the one before: a chain's chunks
+        are given last first, so that its first chunks, which every hit of it needs, are the last
+        evicted (a cache smaller than a prompt keeps a shorter prefix instead of its useless tail),
+        then the statistics and skeleton they need. Best effort: a read-only store still serves
+        hits. (An HTTP store orders by the server's GETs.)"""
+        now = time.time()
+        for i, key in enumerate(keys):
+            with contextlib.suppress(OSError, CacheGenError):
+                self.store.touch(key, at=now + i * 1e-6)
 
     def _read_snapshot(self, key: str, tokens: np.ndarray, fingerprint: dict[str, Any]) -> np.ndarray:
         """A stored whole context, checked (its tokens, the fingerprint) and decoded."""
@@ -282,6 +292,12 @@ class CompressedStateCache(BaseLlamaCache):
             uploads.finish()
         finally:
             uploads.close()
+        # the prompt's whole chain (chunks stored by earlier saves too) is now the most recent
+        used = [chunks._chunk_key(e.key, self.level) for e in reversed(manifest.chunks)]
+        if manifest.stats.get(self.level):
+            used.append(chunks._stats_key(manifest.stats[self.level]))
+        assert manifest.skeleton is not None
+        self._mark_used([*used, chunks._skeleton_key(manifest.skeleton)])
         self._evict()
 
     def _holds_worse(self, value: llama_cpp.llama.LlamaState) -> bool:

@@ -153,8 +153,9 @@ class Store(ABC):
         """Every entry whose key starts with `prefix` (a folder-like prefix ending in '/' or '')."""
 
     @abstractmethod
-    def touch(self, key: str) -> None:
-        """Marks `key` as just used (for LRU eviction); a missing key is ignored."""
+    def touch(self, key: str, at: float | None = None) -> None:
+        """Marks `key` as used at `at` (seconds since the epoch; None: now) for LRU eviction; a
+        missing key is ignored."""
 
     def temporaries(self, prefix: str = "") -> list[EntryInfo]:
         """Partial writes under `prefix` still taking space (in progress, or left by writers that

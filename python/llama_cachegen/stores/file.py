@@ -286,9 +286,11 @@ class FileStore(Store):
         each EntryInfo's key is the temporary's own path."""
         return self._walk(prefix, temporaries=True)
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: str, at: float | None = None) -> None:
+        # `at` is set exactly (the file system's own clock ticks every few ms)
+        ns = round((time.time() if at is None else at) * 1e9)
         with contextlib.suppress(FileNotFoundError, NotADirectoryError), self._folder(key) as (fd, name):
-            os.utime(name, dir_fd=fd, follow_symlinks=False)
+            os.utime(name, ns=(ns, ns), dir_fd=fd, follow_symlinks=False)
 
     def sweep(self, max_age_s: float = 3600.0) -> int:
         """Removes temporaries whose writer died (known at once on this host) or that are older

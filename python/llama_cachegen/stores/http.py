@@ -207,7 +207,7 @@ class HttpStore(Store):
             raise StoreError(f"unreadable listing from {self.url}: {exc}") from exc
         return [e for e in entries if e.key.startswith(prefix)]
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: str, at: float | None = None) -> None:
         """Nothing to do: the server marks an entry used on every GET."""
 
     def close(self) -> None:

@@ -84,8 +84,9 @@ class RedisStore(Store):
             if there
         ]
 
-    def touch(self, key: str) -> None:
-        self._call("ZADD", self._redis.zadd, self._lru, {check_key(key): time.time()}, xx=True)
+    def touch(self, key: str, at: float | None = None) -> None:
+        score = time.time() if at is None else at
+        self._call("ZADD", self._redis.zadd, self._lru, {check_key(key): score}, xx=True)
 
     def close(self) -> None:
         """Closes the connections, those with a reply being read too (their reads fail)."""
