@@ -282,3 +282,19 @@ def test_raw_bits_follow_the_bulk_of_the_values() -> None:
     assert max(_raw_bits(blob)) <= 1  # (a rule on the deviation took 4)
     out = np.frombuffer(bytes(lcg.decode(blob))[-2 * 1000 * 128 :], np.float16)
     assert np.isfinite(out).all()
+
+
+def test_a_state_of_few_tokens_is_never_larger_than_lossless() -> None:
+    """A tensor of a few cells whose lossy statistics (steps, means, tables) cost more than
+    quantizing saves is coded exactly instead: no lossy level is larger than lossless (a 1-token
+    state then comes back exactly); with more cells quantizing pays again."""
+    for cells in (1, 2, 8, 24):
+        rng = np.random.default_rng(cells)
+        state = seq_buffer(kv_cache_bytes(rng, n_embd=192, cells_per_stream=(cells,)))
+        exact = len(lcg.encode(state, "lossless"))
+        for level in LEVELS[1:]:
+            assert len(lcg.encode(state, level)) <= exact, (cells, level)
+        if cells == 1:
+            assert lcg.decode(lcg.encode(state, "compact")) == state
+        if cells == 24:
+            assert len(lcg.encode(state, "compact")) < exact

@@ -1449,6 +1449,44 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & t) {
     return s;
 }
 
+namespace {
+
+void build_encoder_tables(TensorEncoder & e) {
+    e.enc.resize(e.stats.tables.size());
+    for (size_t i = 0; i < e.stats.tables.size(); i++) {
+        rans::build_enc_table(e.stats.tables[i], e.enc[i]);
+    }
+}
+
+TensorEncoder lossless_encoder(const uint8_t * base, const TensorDesc & t) {
+    TensorEncoder e;
+    e.stats.group = group_size(t.n_cells);
+    e.stats.n_groups = (t.n_units + e.stats.group - 1) / e.stats.group;
+    prepare_lossless(base, t, e);
+    build_encoder_tables(e);
+    return e;
+}
+
+// Bytes of e's statistics and of all of t's rows coded with them.
+size_t coded_size(const uint8_t * state, const TensorDesc & t, const TensorEncoder & e,
+                  const std::vector<uint8_t> & is_sink) {
+    ByteWriter w;
+    write_stats(w, e.stats, t);
+    std::vector<uint32_t> cells(t.n_cells);
+    for (uint32_t c = 0; c < t.n_cells; c++) {
+        cells[c] = c;
+    }
+    encode_rows(state, t, e, cells, is_sink, rans::DEFAULT_SLICE, w);
+    return w.buf.size();
+}
+
+// Up to this many cells a lossy tensor is also coded exactly, and kept so when that is no larger: a
+// few rows' values save less than their groups' steps, means and tables cost (SmolLM2 states of 1-8
+// tokens came out larger than lossless at every lossy level).
+constexpr uint32_t FEW_CELLS = 32;
+
+} // namespace
+
 void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnobs * knobs, const RopeHint * rope,
                     const std::vector<uint8_t> & is_sink, const std::vector<int32_t> & pos, TensorEncoder & e) {
     const uint8_t * base = state + t.offset;
@@ -1458,14 +1496,15 @@ void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnob
     s.lossy = knobs != nullptr && ggml_type_info(t.ggml_type)->is_float &&
               prepare_lossy(base, t, *knobs, rope, is_sink, pos, e);
     if (!s.lossy) {
-        e = TensorEncoder{};
-        s.group = group_size(t.n_cells);
-        s.n_groups = (t.n_units + s.group - 1) / s.group;
-        prepare_lossless(base, t, e);
+        e = lossless_encoder(base, t);
+        return;
     }
-    e.enc.resize(s.tables.size());
-    for (size_t i = 0; i < s.tables.size(); i++) {
-        rans::build_enc_table(s.tables[i], e.enc[i]);
+    build_encoder_tables(e);
+    if (t.n_cells <= FEW_CELLS) {
+        TensorEncoder exact = lossless_encoder(base, t);
+        if (coded_size(state, t, exact, is_sink) <= coded_size(state, t, e, is_sink)) {
+            e = std::move(exact);
+        }
     }
 }
 
