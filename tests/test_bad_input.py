@@ -372,6 +372,21 @@ def test_raw_bits_are_checked() -> None:
             lcg.decode(reseal(bad))
 
 
+def test_an_older_params_struct_is_refused() -> None:
+    """A caller built against an older header passes a smaller lcg_encode_params: refused by its
+    struct_size before anything past it is read (ASan would see the read)."""
+    ffi, lib = codec.ffi, codec.lib
+    size = ffi.sizeof("lcg_encode_params") - 16  # 0.3's, before out_alloc and its context
+    buffer = ffi.new("char[]", size)  # kept alive: params points into it
+    params = ffi.cast("lcg_encode_params *", buffer)
+    params.struct_size = size
+    state = golden_state()
+    out, out_size = ffi.new("void **"), ffi.new("size_t *")
+    status = lib.lcg_encode(codec._view(state), len(state), params, out, out_size)
+    with pytest.raises(lcg.InvalidArgumentError, match="struct_size"):
+        codec.check(status)
+
+
 def test_golden_bad_containers_fail() -> None:
     blob = (DATA / f"golden-v{GOLDEN_VERSION}-balanced.lcg").read_bytes()
     with pytest.raises(lcg.ChecksumError):

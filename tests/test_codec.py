@@ -219,13 +219,17 @@ def test_any_buffer_is_accepted_without_copies(state_fa_off: bytes) -> None:
     assert lcg.decode(memoryview(ref)) == lcg.decode(ref)
 
 
-def test_encode_writes_into_the_callers_memory(state_fa_off: bytes) -> None:
+def test_encode_writes_into_the_callers_memory(state_fa_off: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     """lcg_encode_params.out_alloc: the container is written into the caller's memory (what
-    `encode` does with a bytes object), the same bytes as the library's own; an allocator that
-    returns NULL gives LCG_ERR_OUT_OF_MEMORY."""
+    `encode` does with a bytes object), the same bytes as the library's own (what `encode` copies
+    where libffi cannot make the callback); an allocator that returns NULL gives
+    LCG_ERR_OUT_OF_MEMORY."""
     ffi, lib = lcg.codec.ffi, lcg.codec.lib
     ref = lcg.encode(state_fa_off, "high", threads=1)
     assert isinstance(ref, bytes)
+    with monkeypatch.context() as m:
+        m.setattr(lcg.codec, "_alloc_bytes_callback", lambda: None)
+        assert lcg.encode(state_fa_off, "high", threads=1) == ref
     out, size = ffi.new("void **"), ffi.new("size_t *")
     params = lcg.codec._params("high", 1, "auto", None, None, None, None, None, None, "none", None, None)
     lcg.codec.check(lib.lcg_encode(lcg.codec._view(state_fa_off), len(state_fa_off), params, out, size))

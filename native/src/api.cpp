@@ -37,10 +37,13 @@ bool knob_ok(float v, float lo, float hi) { return std::isfinite(v) && v >= lo &
 
 // Checked encode options from the caller's parameters (NULL: the defaults).
 EncodeOptions options(const lcg_encode_params * params) {
-    const lcg_encode_params p = params ? *params : lcg_encode_default_params();
-    LCG_CHECK(p.struct_size == sizeof(lcg_encode_params), LCG_ERR_INVALID_ARGUMENT,
+    // struct_size first: a caller built against an older header passes a smaller struct, and
+    // copying this library's whole struct from it would read past its end.
+    const uint32_t struct_size = params ? params->struct_size : sizeof(lcg_encode_params);
+    LCG_CHECK(struct_size == sizeof(lcg_encode_params), LCG_ERR_INVALID_ARGUMENT,
               "lcg_encode_params.struct_size is %u, this library's is %zu: start from lcg_encode_default_params()",
-              p.struct_size, sizeof(lcg_encode_params));
+              struct_size, sizeof(lcg_encode_params));
+    const lcg_encode_params p = params ? *params : lcg_encode_default_params();
     LCG_CHECK(p.level >= LCG_LEVEL_LOSSLESS && p.level <= LCG_LEVEL_COMPACT, LCG_ERR_INVALID_ARGUMENT,
               "unknown level %d", p.level);
     LCG_CHECK(p.state_kind >= LCG_KIND_AUTO && p.state_kind <= LCG_KIND_SESSION, LCG_ERR_INVALID_ARGUMENT,

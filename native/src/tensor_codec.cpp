@@ -659,7 +659,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         }
         group_step[gi] = rel * std::sqrt(group_var[gi]);
         if (group_step[gi] > 0.0) {
-            widest = std::max(widest, (s.anchor_tokens ? 2.0 : 1.0) * (group_max[gi] + mean_max) / group_step[gi]);
+            widest = std::max(widest, (k.anchor_tokens ? 2.0 : 1.0) * (group_max[gi] + mean_max) / group_step[gi]);
         }
     }
     s.raw_bits = choose_raw_bits(sample, t.n_units, s.group, group_step, widest);

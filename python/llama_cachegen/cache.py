@@ -221,7 +221,10 @@ class CompressedStateCache(BaseLlamaCache):
         """Sets the LRU clock of `keys`, each a microsecond after the one before: a chain's chunks
         are given last first, so that its first chunks, which every hit of it needs, are the last
         evicted (a cache smaller than a prompt keeps a shorter prefix instead of its useless tail),
-        then the statistics and skeleton they need. Best effort: a read-only store still serves
+        then the statistics and skeleton they need (a hit: those it used; a save: those it wrote,
+        while chunks stored by earlier saves name their own, which a save does not read: marked by
+        the hit that llama-cpp-python looks up before it saves, else they may go first and the
+        chain is a miss, dropped and stored again). Best effort: a read-only store still serves
         hits. (An HTTP store orders by the server's GETs.)"""
         now = time.time()
         for i, key in enumerate(keys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -172,7 +173,6 @@ def _fresh_bytes(size: int) -> tuple[bytes, Any]:
     return blob, dst
 
 
-@ffi.callback("void *(void *, size_t)")
 def _alloc_bytes(ctx: Any, size: int) -> Any:
     """lcg_encode_params.out_alloc: the container goes straight into a new bytes object, kept in
     the list `ctx` is a handle to (with its pointer, alive until the encode returns)."""
@@ -182,6 +182,16 @@ def _alloc_bytes(ctx: Any, size: int) -> Any:
         return ffi.NULL
     ffi.from_handle(ctx).extend((blob, dst))
     return dst
+
+
+@functools.cache
+def _alloc_bytes_callback() -> Any:
+    """_alloc_bytes as a C function pointer, made on first use; None where libffi cannot make one
+    (systems that refuse writable and executable memory): encode then copies the library's buffer."""
+    try:
+        return ffi.callback("void *(void *, size_t)", _alloc_bytes)
+    except (MemoryError, OSError, RuntimeError):
+        return None
 
 
 def _take(out: Any, out_size: Any) -> bytes:
@@ -243,9 +253,13 @@ def encode(
     src = _view(state)
     out = ffi.new("void **")
     out_size = ffi.new("size_t *")
+    callback = _alloc_bytes_callback()
+    if callback is None:
+        check(lib.lcg_encode(src, len(src), params, out, out_size))
+        return _take(out, out_size)
     made: list[Any] = []  # the container's bytes object (and its pointer), from _alloc_bytes
     handle = ffi.new_handle(made)
-    params.out_alloc = _alloc_bytes
+    params.out_alloc = callback
     params.out_alloc_ctx = handle
     check(lib.lcg_encode(src, len(src), params, out, out_size))
     return made[0]
