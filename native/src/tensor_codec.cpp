@@ -43,17 +43,10 @@ struct Strides {
           unit(t.transposed ? static_cast<size_t>(t.n_cells) * t.unit_bytes : t.unit_bytes) {}
 };
 
-// An object's elements in memory order form an outer x inner matrix: cells x units, or units x
-// cells when transposed (llama.cpp's v_trans).
+// An element of an object: its row (object row, a cell of the state) and unit.
 struct RowUnit {
     uint32_t row, unit;
 };
-inline size_t n_outer(const TensorDesc & t) { return t.transposed ? t.n_units : t.n_cells; }
-inline size_t n_inner(const TensorDesc & t) { return t.transposed ? t.n_cells : t.n_units; }
-inline RowUnit row_unit(const TensorDesc & t, size_t outer, size_t inner) {
-    return t.transposed ? RowUnit{static_cast<uint32_t>(inner), static_cast<uint32_t>(outer)}
-                        : RowUnit{static_cast<uint32_t>(outer), static_cast<uint32_t>(inner)};
-}
 
 // The order an object codes its elements in (docs/format.md, "Rows of an object, and their
 // order"): n_lines lines of line_len elements. Lossless tensors and transposed ones (units whose
@@ -88,7 +81,6 @@ struct Lines {
     }
     uint32_t mask() const { return (1u << shift) - 1; }
 };
-
 
 #if defined(__x86_64__)
 // Transposed f16 units [u0, u0 + gn) (gn a multiple of 8) into cell-major floats: 8 units x 8 cells
@@ -495,7 +487,7 @@ void place_group(const uint8_t * g, const TensorDesc & t, size_t n, uint32_t u0,
 // the entropy of q >> b, Miller-Madow corrected (a sample's plug-in entropy runs low by about the
 // symbols seen / (2 n ln 2), more for finer symbols), plus b raw bits, plus 16 bits per escape
 // (|q| > 127 * 2^b). Low bits are close to uniform where a value's bulk spans many steps (SmolLM2 at
-// `high`: 2-3 raw bits, no escapes left, 1.6% smaller), not where a few far values inflate the
+// `high`: 1-3 raw bits, 1.4% smaller), not where a few far values inflate the
 // deviations the steps follow (Cauchy-like tails: a rule on the deviation sent 4 raw bits of a
 // bulk a few steps wide, 25-30% larger). Where some bits go raw, one more costs ~0.005 bits per
 // value and, where it reaches `widest` (the largest |q| the tensor's values can take, which a
@@ -650,7 +642,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         rel = per_row > 0.0 ? std::sqrt(12.0 * budget / per_row) * ramp : 1.0;
     }
     double widest = 0.0;  // the largest |q| a group's values can reach
-    std::vector<double> group_step(s.n_groups);
+    std::vector<double> group_step(s.n_groups);  // rel x the group's deviation
     for (uint32_t gi = 0; gi < s.n_groups; gi++) {
         const uint32_t u0 = gi * s.group, u1 = std::min(t.n_units, u0 + s.group);
         double mean_max = 0.0;
@@ -683,10 +675,9 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     }
     for (uint32_t gi = 0; gi < s.n_groups; gi++) {
         const uint32_t u0 = gi * s.group, gn = std::min(s.group, t.n_units - u0);
-        const double step = rel * std::sqrt(group_var[gi]);
         float mean[MAX_GROUP], inv_step[MAX_GROUP];
         for (uint32_t g = 0; g < gn; g++) {
-            const ChannelQuant cq = channel_quant(mean_d[u0 + g], step);
+            const ChannelQuant cq = channel_quant(mean_d[u0 + g], group_step[gi]);
             s.mean_f16[u0 + g] = cq.mean_f16;
             s.step_f16[gi] = cq.step_f16;
             mean[g] = f16_to_f32(cq.mean_f16);
@@ -981,11 +972,12 @@ __attribute__((target("avx2,f16c"), always_inline)) inline __m256i lanes8_step(_
     return _mm256_and_si256(e, _mm256_set1_epi32(0xff));
 }
 
-// Symbols [k0, k1) of a slice (k0 a multiple of 32) into out[k - k0], when 8 consecutive elements
-// share a table (n_inner % 8 == 0); `slots` holds the plane's tables, unit u uses table u / group.
-// Returns the element reached (a multiple of 32), as decode_lossy_f16_avx2.
+// Symbols [k0, k1) of a slice (k0 a multiple of 32) of a lossless plane in memory order `lines`
+// into out[k - k0], when 8 consecutive elements share a table (line_len % 8 == 0); `slots` holds
+// the plane's tables, unit u uses table u / group. Returns the element reached (a multiple of 32),
+// as decode_lossy_f16_avx2.
 template <bool GATHER>
-__attribute__((target("avx2,f16c"))) size_t decode_symbols_avx2(rans::Cursor & c, const TensorDesc & t,
+__attribute__((target("avx2,f16c"))) size_t decode_symbols_avx2(rans::Cursor & c, const Lines & lines,
                                                             const uint32_t * slots, uint32_t group, size_t k0,
                                                             size_t k1, uint8_t * out) {
     __m256i x[4];
@@ -996,14 +988,14 @@ __attribute__((target("avx2,f16c"))) size_t decode_symbols_avx2(rans::Cursor & c
     const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12,
                                           -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     const __m256i join = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);
-    const size_t n_i = n_inner(t);
+    const size_t n_i = lines.line_len;
     size_t o = k0 / n_i, i = k0 % n_i;  // of the next vector's first element
     size_t k = k0;
     const size_t n_full = k0 + (k1 - k0) / rans::LANES * rans::LANES;
     const uint8_t * ptr = c.ptr;  // a local: stores to the destination cannot alias it
     while (k < n_full && c.end - ptr >= 2 * static_cast<ptrdiff_t>(rans::LANES)) {
         for (int v = 0; v < 4; v++) {
-            const size_t unit = t.transposed ? o : i;
+            const size_t unit = lines.kind == Lines::UNITS ? o : i;
             if ((i += 8) == n_i) {
                 i = 0;
                 o++;
@@ -1263,12 +1255,13 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
     const TensorStats & s = dec.stats;
     const size_t n = static_cast<size_t>(obj.n_cells) * obj.n_units;
     const Strides ds(dst);
-    const size_t n_i = n_inner(obj);
+    const Lines order(obj, s);  // memory order: lossless
+    const size_t n_i = order.line_len;
     // Bytes of plane b of elements [k0, k1) (memory order) into their places.
     auto put_plane = [&](uint32_t b, const uint8_t * bytes, size_t k0, size_t k1) {
         size_t o = k0 / n_i, i = k0 % n_i;
         for (size_t k = k0; k < k1; k++) {
-            const RowUnit ru = row_unit(obj, o, i);
+            const RowUnit ru = order.at(o, i);
             base[row_cell[ru.row] * ds.cell + ru.unit * ds.unit + b] = bytes[k - k0];
             if (++i == n_i) {
                 i = 0;
@@ -1319,13 +1312,13 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
             size_t k = sl.k0;
 #if defined(__x86_64__)
             if (vector_ok) {
-                k = use_gather ? decode_symbols_avx2<true>(c, obj, slots, s.group, k, sl.k1, out)
-                               : decode_symbols_avx2<false>(c, obj, slots, s.group, k, sl.k1, out);
+                k = use_gather ? decode_symbols_avx2<true>(c, order, slots, s.group, k, sl.k1, out)
+                               : decode_symbols_avx2<false>(c, order, slots, s.group, k, sl.k1, out);
             }
 #endif
             rans::decode_stream(
                 c, k, sl.k1, n_i,
-                [&](size_t o, size_t i) { return slots + (row_unit(obj, o, i).unit / s.group) * rans::PROB_SCALE; },
+                [&](size_t o, size_t i) { return slots + (order.at(o, i).unit / s.group) * rans::PROB_SCALE; },
                 [&](size_t o, size_t i, uint8_t v) { out[o * n_i + i - sl.k0] = v; });
             rans::close_stream(c);
             if (!lines) {
@@ -1338,11 +1331,11 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
         return;
     }
     std::vector<const uint8_t *> at(obj.unit_bytes);
-    for (size_t o = 0; o < n_outer(obj); o++) {
+    for (size_t o = 0; o < order.n_lines; o++) {
         for (uint32_t b = 0; b < obj.unit_bytes; b++) {
             at[b] = plane[b] + o * n_i;
         }
-        const RowUnit first = row_unit(obj, o, 0);
+        const RowUnit first = order.at(o, 0);
         interleave_planes(at.data(), obj.unit_bytes, n_i, base + row_cell[first.row] * ds.cell + first.unit * ds.unit);
     }
 }
@@ -1626,9 +1619,9 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     for (uint32_t b = 0; b < ub; b++) {
         plane[b] = &sym[b * n];
     }
-    const size_t n_i = n_inner(obj);
+    const size_t n_i = lines.line_len;
     std::vector<uint8_t *> at(ub);
-    for (size_t o = 0; o < n_outer(obj); o++) {
+    for (size_t o = 0; o < lines.n_lines; o++) {
         for (uint32_t b = 0; b < ub; b++) {
             at[b] = plane[b] + o * n_i;
         }
