@@ -120,14 +120,6 @@ DeviceStats::Tensor put_stats(Arena & a, const TensorDecoder & dec) {
     return at;
 }
 
-uint32_t log2_group(uint32_t group) {
-    uint32_t s = 0;
-    while ((1u << s) < group) {
-        s++;
-    }
-    return s;
-}
-
 // Collects the jobs of one object, parsing each tensor section as decode_rows does.
 struct DeviceSink : DecodeSink {
     const uint8_t * container;
@@ -188,10 +180,11 @@ struct DeviceSink : DecodeSink {
         t.cell_stride = dst_t.transposed ? dst_t.unit_bytes : static_cast<uint64_t>(dst_t.n_units) * dst_t.unit_bytes;
         t.unit_stride = dst_t.transposed ? static_cast<uint64_t>(dst_t.n_cells) * dst_t.unit_bytes : dst_t.unit_bytes;
         t.rows = rows(row_cell);
-        t.group_shift = log2_group(s.group);
-        t.grouped = grouped_order(obj, s);  // lines of a group's rows (docs/format.md)
-        t.n_outer = t.grouped ? obj.n_units >> t.group_shift : obj.transposed ? obj.n_units : obj.n_cells;
-        t.n_inner = t.grouped ? uint64_t(obj.n_cells) << t.group_shift : obj.transposed ? obj.n_cells : obj.n_units;
+        const Lines lines(obj, s);  // the object's coding order (docs/format.md)
+        t.group_shift = lines.shift;
+        t.grouped = lines.kind == Lines::GROUPS;
+        t.n_outer = lines.n_lines;
+        t.n_inner = lines.line_len;
         t.mean = at.mean;
         t.step = at.step;
         t.shrink = at.shrink;

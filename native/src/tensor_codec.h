@@ -35,10 +35,46 @@ struct TensorStats {
 
 void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t);
 
-// Whether t's objects code their elements group by group (docs/format.md, "Rows of an object, and
-// their order"): lossy, not transposed, its units a whole number of groups.
-bool grouped_order(const TensorDesc & t, const TensorStats & s);
 TensorStats read_stats(ByteReader & r, const TensorDesc & t);
+
+// An element of an object: its row (object row, a cell of the state) and unit.
+struct RowUnit {
+    uint32_t row, unit;
+};
+
+// The order an object codes its elements in (docs/format.md, "Rows of an object, and their
+// order"): n_lines lines of line_len elements. Lossless tensors and transposed ones (units whose
+// cells are side by side) code in memory order; a lossy row-major tensor whose units are a whole
+// number of groups codes group by group (GROUPS: a group's rows one after another), so that one
+// frequency table serves a long run instead of every table taking turns along each row.
+struct Lines {
+    enum Kind : uint8_t { ROWS, UNITS, GROUPS } kind;
+    uint32_t shift;  // GROUPS: log2 of the group
+    size_t n_lines, line_len;
+
+    Lines(const TensorDesc & obj, const TensorStats & s) {
+        shift = static_cast<uint32_t>(__builtin_ctz(s.group));  // 8, 16 or 32 (read_stats checks)
+        kind = obj.transposed ? UNITS : s.lossy && obj.n_units % s.group == 0 ? GROUPS : ROWS;
+        n_lines = kind == ROWS ? obj.n_cells : kind == UNITS ? obj.n_units : obj.n_units >> shift;
+        line_len = kind == ROWS ? obj.n_units : kind == UNITS ? obj.n_cells : static_cast<size_t>(obj.n_cells) << shift;
+    }
+    RowUnit at(size_t line, size_t i) const {
+        switch (kind) {
+            case ROWS: return {static_cast<uint32_t>(line), static_cast<uint32_t>(i)};
+            case UNITS: return {static_cast<uint32_t>(i), static_cast<uint32_t>(line)};
+            default: return {static_cast<uint32_t>(i >> shift), static_cast<uint32_t>(line << shift | (i & mask()))};
+        }
+    }
+    RowUnit at(size_t k) const { return at(k / line_len, k % line_len); }
+    uint64_t index(uint32_t row, uint32_t unit) const {
+        switch (kind) {
+            case ROWS: return static_cast<uint64_t>(row) * line_len + unit;
+            case UNITS: return static_cast<uint64_t>(unit) * line_len + row;
+            default: return (unit >> shift) * line_len + (static_cast<uint64_t>(row) << shift) + (unit & mask());
+        }
+    }
+    uint32_t mask() const { return (1u << shift) - 1; }
+};
 
 // Everything the encoder derives from the whole tensor once, to code any subset of its cells.
 struct TensorEncoder {
