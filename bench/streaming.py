@@ -1,6 +1,6 @@
 """Adaptive streaming over a shaped link: TTFT and SLO violations per method, trace and SLO.
 
-    python bench/streaming.py [--tokens 768] [--chunk-tokens 128] [--seeds 6] [--threads 1]
+    python bench/streaming.py [--tokens 768] [--chunk-tokens 64] [--seeds 20] [--threads 1]
                               [--out bench/results]
 
 One context saved at every level into a real `llama-cachegen serve`; every load goes through a
@@ -47,6 +47,9 @@ from report import table  # noqa: E402
 SLO_FRACTIONS = (0.25, 0.5, 1.0)  # of the text-only prefill time
 CONSTANT_BE = (0.5, 2.0, 8.0)
 RANDOM_BE = (0.1, 10.0)  # log-uniform per period
+# the random trace's period: the time balanced takes for this many tokens at 1 BE (not tied to
+# --chunk-tokens, so that chunk sizes are compared on the same traces)
+PERIOD_TOKENS = 64
 CONT_TOKENS = 128
 HIDE_TARGET, MISS_TARGET, TTFT_TOLERANCE = 0.8, 0.05, 0.10
 
@@ -159,10 +162,10 @@ class Bench:
     def traces(self) -> list[tuple[str, str, Trace]]:
         be, a = self.be, self.args
         out = [("constant", f"{k:g} BE", Trace.constant(k * be)) for k in CONSTANT_BE]
-        chunk_s = self.level_bytes["balanced"] / -(-a.tokens // a.chunk_tokens) / be  # one chunk at 1 BE
+        period_s = self.level_bytes["balanced"] / a.tokens * PERIOD_TOKENS / be
         lo, hi = RANDOM_BE
         out += [
-            ("random", f"seed {s}", Trace.random(lo * be, hi * be, chunk_s / 2, seed=s, duration_s=120))
+            ("random", f"seed {s}", Trace.random(lo * be, hi * be, period_s, seed=s, duration_s=120))
             for s in range(a.seed_base, a.seed_base + a.seeds)
         ]
         out.append(("drop", "8 BE -> 0.05 BE at 0.2 s", Trace.drop(8 * be, 0.05 * be, 0.2)))
@@ -373,8 +376,8 @@ def plot(b: Bench, runs: list[Run], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=768, help="context length")
-    parser.add_argument("--chunk-tokens", type=int, default=128)
-    parser.add_argument("--seeds", type=int, default=6, help="random traces")
+    parser.add_argument("--chunk-tokens", type=int, default=64)
+    parser.add_argument("--seeds", type=int, default=20, help="random traces (5%% is one of 20)")
     parser.add_argument("--seed-base", type=int, default=0, help="first seed (others: unseen traces)")
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
     parser.add_argument("--model", type=Path, help="GGUF (default: the bundled SmolLM2-135M)")

@@ -196,6 +196,62 @@ def test_link_dropping_to_near_zero_halfway_computes_the_rest(
     _continues(loader, original)
 
 
+def test_a_fetch_stalled_by_a_drop_is_given_up_and_computed(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    """The link drops to 2 kB/s while chunk 2 is fetched (the relay's store is HTTP: the loader
+    sees the fetch's progress and can end it). Waiting for it would take ~20 minutes; computing
+    it takes a second: the fetch is given up at once, not left to hold the link, and the chunk
+    is computed."""
+    r, url = relay
+    r.switch_after(TWO_CHUNKS, Trace.constant(2000.0))
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST)
+    assert report.text_chunks == [0, 1, 2] and report.records[2].given_up == 1
+    assert report.records[2].bytes > 0  # what it received before it was given up is counted
+    assert [rec.level for rec in report.records[3:]] == ["lossless", "lossless"]
+    assert report.failures == [] and report.fallback is None and report.total_ms < 30_000
+    _continues(loader, original)
+
+
+def test_chunks_fetched_low_are_fetched_again_better_while_time_is_left(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    """A prior of 0.1 Mbit/s makes the first chunk compact (no level fits 60 s at that rate); the
+    link, unshaped, turns out fast: the rest come lossless and the first is fetched again
+    lossless in the time left (upgraded), so the context is the original, bit for bit."""
+    _, url = relay
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=0.1, text_fallback=False)
+    first = report.records[0]
+    assert first.upgraded_from == "compact" and first.level == "lossless"
+    assert [rec.level for rec in report.records] == ["lossless"] * CHUNKS and report.expected_kl == 0.0
+    assert all(rec.upgraded_from is None for rec in report.records[1:])
+    assert report.to_dict()["chunks"][0]["upgraded_from"] == "compact"
+    assert capture_state(loader, None) == original["state"]
+    _continues(loader, original)
+
+
+def test_an_upgrade_that_fails_leaves_the_chunk_as_it_was(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    """The first chunk's lossless object is damaged in the store: its upgrade fails
+    verification, is reported, and the compact chunk already in the buffer stays."""
+    _, url = relay
+    store_url, _ = chunks.split_manifest_url(url)
+    key = chunks._chunk_key(chunks.read_manifest(url).chunks[0].key, "lossless")
+    with stores.open_store(store_url) as store:
+        good = store.get(key)
+        store.put(key, good[:-100] + bytes(100))
+        try:
+            report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=0.1, text_fallback=False)
+        finally:
+            store.put(key, good)
+    assert report.records[0].level == "compact" and report.records[0].upgraded_from is None
+    assert [rec.level for rec in report.records[1:]] == ["lossless"] * (CHUNKS - 1)
+    assert len(report.failures) == 1 and "upgrade" in report.failures[0] and report.fallback is None
+    assert 0.0 < report.expected_kl < stream.LEVEL_KL["compact"]
+    assert _greedy(loader, original["prefix"])  # a complete context that generates
+
+
 def test_link_too_slow_for_the_skeleton_computes_every_chunk(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:
@@ -292,6 +348,26 @@ def test_closing_the_store_ends_a_read_in_flight(relay: tuple[Relay, str]) -> No
     sent = r.bytes_down
     time.sleep(1.5)  # a read going on would move ~6 kB; the relay may push a piece or two it holds
     assert r.connections == connections and r.bytes_down - sent < 3 * 1460
+
+
+def test_a_read_in_flight_reports_its_progress_and_can_be_cancelled(relay: tuple[Relay, str]) -> None:
+    """What the loader needs from a store to give up a late fetch: the bytes a thread's read has
+    received, and an end to that read alone (the store stays open for the next)."""
+    r, url = relay
+    key = _skeleton_key(url)
+    r.set_trace(Trace.constant(4000.0))  # 4 kB/s: the skeleton (~13 kB) would take ~3 s
+    store, reader, errors = _read_in_thread(url, key)
+    time.sleep(1.0)
+    assert reader.ident is not None and 1000 < (store.received(reader.ident) or 0) < 12_000
+    assert store.cancel(reader.ident)
+    reader.join(5.0)
+    assert not reader.is_alive() and len(errors) == 1 and isinstance(errors[0], StoreError)
+    assert store.cancel(threading.get_ident()) is False  # this thread reads nothing
+    r.set_trace(Trace.constant(math.inf))
+    assert store.get(key)  # the store still reads
+    store.close()
+    with stores.open_store(chunks.split_manifest_url(url)[0].replace("http", "file", 0)) as local:
+        assert local.received(reader.ident) is None
 
 
 def test_a_read_closed_before_its_reply_is_not_completed_on_a_retry(relay: tuple[Relay, str]) -> None:

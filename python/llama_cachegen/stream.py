@@ -30,6 +30,17 @@ the fetch arrives; when every chunk is decided and the link is free, it fetches 
 computes if that plan is better (a text chunk begun on a rate estimate that turned out too slow).
 A stalled link costs at most one chunk's compute time, a fast one at most one piece.
 
+Two corrections for a rate that changes under a plan:
+- A fetch past its prediction is measured as it goes (the bytes it has received over the last
+  _RECENT_S, where the store reports them: Store.received, the HTTP store) and given up when no
+  plan that waits for it meets the deadline but one without it does (the store ends that read:
+  Store.cancel); the chunk is planned again with the others (`given_up` in its record).
+- Time left is spent on quality: with every chunk decided and the link free, a chunk in the
+  buffer is fetched again at a better level (the most KL gained per byte) when that is due
+  before the SLO (less its last _SLO_FLOOR and the restore); the load waits for it until then
+  and drops it after (`upgraded_from` in its record). Plans made on a pessimistic estimate
+  (a slow start, a wide spread) so give back what they cost.
+
 The skeleton is fetched first (the buffer is built from it); while it is late (longer than a
 piece's compute), the CPU computes from the first chunk into the context, which keeps what it
 computed until the buffer exists. On a link too slow for even the skeleton, every chunk is
@@ -108,6 +119,8 @@ _SLO_FLOOR = 0.05
 _SPREAD_Z = 1.0
 _PRIOR_SPREAD = 0.25
 _PIECE = 32  # tokens per llama_decode call of a text chunk: a computation can stop between pieces
+_RECENT_S = 0.3  # a late fetch's rate is measured over its last this many seconds
+_GIVE_UP_GAIN = 0.1  # ... by this share of the time to the finish that waiting for it would give
 _TICK_S = 0.05  # the assembly plans again at least this often while it waits for the link
 _LOOKAHEAD = 2  # chunks decided (fetched or planned as text) ahead of the one being assembled
 _CALIBRATION_TOKENS = 128
@@ -127,11 +140,13 @@ class ChunkRecord:
     level: str = ""  # a level name, or "text" (computed by llama.cpp)
     reason: str = ""  # why: best, budget, fastest, first, fixed, parallel, raced, stalled, failed
     bytes: int = 0  # fetched for this chunk (its statistics too, the first time they are named)
-    fetch_ms: float = 0.0  # wall time of the fetch that was used (or abandoned)
+    fetch_ms: float = 0.0  # wall time of the fetches that were used (or abandoned)
     decode_ms: float = 0.0
+    upgraded_from: str | None = None  # the level it was first fetched at, when fetched again at `level`
     compute_ms: float = 0.0  # restore of the chunks before it + prefill + read back + splice
     mbps: float | None = None  # the bandwidth estimate (Mbit/s) the choice was made with
     retries: int = 0
+    given_up: int = 0  # fetches of it given up as too late (the store ended the read)
     fetch_at_ms: float | None = None  # when the fetch used began, from the load's start
     decode_at_ms: float | None = None  # when its decode (or computation) began
 
@@ -278,7 +293,9 @@ class _Job:
         self.start = time.perf_counter()
         self.end = 0.0
         self._reader = reader
-        threading.Thread(target=self._run, name=f"lcg-fetch-{index}", daemon=True).start()
+        self.marks = [(self.start, 0)]  # (time, bytes received): the loader's view of its progress
+        self.thread = threading.Thread(target=self._run, name=f"lcg-fetch-{index}", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         before = self._reader.bytes_read
@@ -388,6 +405,8 @@ class _Loader:
         self.computing: int | None = None  # that chunk
         self.skeleton_job: _Job | None = None  # the skeleton's fetch, until the assembly takes it
         self.skeleton_tries = 0
+        self.kept: set[int] = set()  # chunks whose upgrade failed: not tried again
+        self.dropped_bytes = 0  # received by fetches given up on (not in reader.bytes_read)
 
     # -- estimates --
 
@@ -408,8 +427,8 @@ class _Loader:
     def _inv(self) -> float | None:
         """Seconds per byte the plans assume: the slower of the smoothed and the mean rate of the
         chunk fetches so far (a drop shows at once, a recovery only once it lasts), slower still
-        when the fetch in flight is already late. Before any chunk: the prior, else the
-        skeleton's fetch (a small object: latency makes it an underestimate of the rate)."""
+        when the fetch in flight is late and slower (_late_inv). Before any chunk: the prior, else
+        the skeleton's fetch (a small object: latency makes it an underestimate of the rate)."""
         if self.sum_bytes:
             inv = max(self.ewma_inv or 0.0, self.sum_s / self.sum_bytes)
         elif self.prior_inv is not None:
@@ -418,10 +437,26 @@ class _Loader:
             inv = self.first_inv
         else:
             return None
+        late = self._late_inv(time.perf_counter())
+        return inv if late is None else max(inv, late)
+
+    def _late_inv(self, now: float) -> float | None:
+        """Seconds per byte the chunk fetch in flight shows, once it is past its prediction
+        (before, latency and the connection's ramp make a part of a fetch a poor sample): over
+        its last _RECENT_S where the store reports its progress (Store.received), else its time
+        over its whole size (at least)."""
         job = self.current
-        if job is not None and job.index >= 0 and not job.done.is_set():
-            inv = max(inv, job.seconds / self._size(job.index, job.level))
-        return inv
+        if job is None or job.index < 0 or job.done.is_set() or now - job.start <= job.predicted_s:
+            return None
+        received = self.store.received(job.thread.ident or 0)
+        if received is None:
+            return (now - job.start) / self._size(job.index, job.level)
+        marks = job.marks
+        marks.append((now, received))
+        while len(marks) > 2 and marks[1][0] <= now - _RECENT_S:
+            del marks[0]
+        since, before = marks[0]
+        return (now - since) / max(1, received - before)
 
     def _net_s(self, nbytes: float) -> float:
         if self.oracle is not None:
@@ -452,13 +487,21 @@ class _Loader:
             self.invs.append(inv)
 
     def _link_end(self, now: float) -> float:
-        """When the fetch in flight is expected to end (now when the link is free); a late one is
-        expected to be as late again."""
+        """When the fetch in flight is expected to end (now when the link is free); a late one
+        ends its bytes left at the rate it shows (_late_inv), or where the store cannot tell how
+        many are left, is as late again."""
         job = self.current
         if job is None or job.done.is_set():
             return now
         end = job.start + job.predicted_s
-        return end if end > now else now + (now - end)
+        if end > now:
+            return end
+        received = self.store.received(job.thread.ident or 0) if job.index >= 0 else None
+        inv = self._late_inv(now)
+        if received is None or inv is None:
+            return now + (now - end)
+        left = max(0.0, self._size(job.index, job.level) - received)  # its statistics may follow
+        return now + left * inv
 
     def _share(self) -> float:
         """The share of the time left a plan may take (oracle: _SLO_SHARE)."""
@@ -477,13 +520,18 @@ class _Loader:
     def _undecided(self) -> list[int]:
         return [k for k, p in enumerate(self.plan) if p is None]
 
-    def _deadline(self, now: float) -> float:
-        """When a plan's chunks must all be in the buffer: a share of the time left, never the
-        SLO's last _SLO_FLOOR, less the final restore."""
+    def _latest(self) -> float:
+        """When the buffer must be complete at the latest: the SLO less its last _SLO_FLOOR and
+        the final restore."""
         assert self.slo_s is not None
         restore_s = (0 if self.state is None else len(self.state)) / _RESTORE_BPS
-        end = self.t0 + self.slo_s
-        return min(now + self._share() * (end - now), end - _SLO_FLOOR * self.slo_s) - restore_s
+        return self.t0 + (1 - _SLO_FLOOR) * self.slo_s - restore_s
+
+    def _deadline(self, now: float) -> float:
+        """When a plan's chunks must all be in the buffer: a share of the time left, never past
+        _latest."""
+        latest = self._latest()
+        return min(now + self._share() * (latest - now), latest)
 
     def _best(self, undecided: list[int], now: float, fetch: bool = False) -> _Plan | None:
         """The plan for the undecided chunks (the link fetching from the back, the CPU computing
@@ -570,12 +618,17 @@ class _Loader:
         """Starts the next fetch if the link is free (holds cv): the front's chunk in order (up to
         _LOOKAHEAD ahead of the assembly), or with the CPU computing from the front, the last;
         with nothing left to decide, the chunk the CPU computes when a fetch of it serves better."""
-        if self.state is None or self.fallback is not None or self.retry is not None or self._link_busy():
+        if self.state is None or self.fallback is not None or self.retry is not None:
+            return
+        if self._link_busy() and not (self.adapt and self._abort_late(time.perf_counter())):
             return
         undecided = self._undecided()
         if not undecided:
+            now = time.perf_counter()
             if self.both:
-                self._race_computing(time.perf_counter())
+                self._race_computing(now)
+            if self.adapt and self.current is None:
+                self._upgrade(now)
             return
         if self.both:
             j = undecided[-1]
@@ -614,6 +667,70 @@ class _Loader:
         if best.level != TEXT:
             self._start(i, best.level, now)
 
+    def _abort_late(self, now: float) -> bool:
+        """Gives up the chunk fetch in flight (True: the link is free) when it is so late that no
+        plan waiting for it meets the deadline and one without it does, or when none does, one
+        without it ends clearly earlier (_GIVE_UP_GAIN): the chunk is planned again with the
+        others. Only where the store can end the read (Store.cancel)."""
+        job = self.current
+        if job is None or job.done.is_set() or job.index < 0 or now - job.start <= job.predicted_s:
+            return False
+        j = job.index
+        if self.plan[j] != job.level or self.done[j]:  # a race against the CPU, or an upgrade
+            return False
+        size = self._size(j, job.level)
+        arrival = self._link_end(now) + self._decode_s(job.level, size)
+        wait = self._best(self._undecided(), now)
+        if arrival <= self._deadline(now) and (wait is None or wait.feasible):
+            return False
+        # without it, the link is planned at no more than the rate this fetch has shown
+        saved = self.plan[j], self.current, self.ewma_inv
+        shown = self._late_inv(now)
+        self.plan[j], self.current = None, None
+        self.ewma_inv = max(self.ewma_inv or 0.0, shown or 0.0)
+        free = self._best(self._undecided(), now)
+        finish = max(arrival, wait.finish if wait is not None else arrival)
+        better = free is not None and (free.feasible or free.finish < finish - _GIVE_UP_GAIN * (finish - now))
+        if not better or not self.store.cancel(job.thread.ident or 0):
+            self.plan[j], self.current, self.ewma_inv = saved
+            return False
+        job.abandoned = True
+        del self.jobs[j]
+        rec = self.records[j]
+        rec.fetch_ms += job.seconds * 1e3
+        rec.given_up += 1
+        rec.bytes += self._drop(job)
+        return True
+
+    def _drop(self, job: _Job) -> int:
+        """Bytes a fetch given up on had received (counted in the report: they took the link)."""
+        got = self.store.received(job.thread.ident or 0) or 0
+        self.dropped_bytes += got
+        return got
+
+    def _upgrade(self, now: float) -> None:
+        """The link, free with every chunk decided and no race to run, fetches a chunk that is in
+        the buffer again at a better level, the one with the most KL gained per byte that is due
+        by _latest (the latest chunk among equals). Time the SLO leaves is spent on quality but
+        never past it, nor at a risk: the load waits for an upgrade until _latest, then drops it."""
+        if self.oracle is None and self._inv() is None:
+            return
+        latest = self._latest()
+        best: tuple[float, int, str] | None = None
+        for i, current in enumerate(self.plan):
+            if current in (None, TEXT) or not self.done[i] or i in self.jobs or i in self.kept:
+                continue
+            tokens = self.ranges[i][1] - self.ranges[i][0]
+            for level in self.levels[i][: self.levels[i].index(current)]:
+                size = self._size(i, level)
+                gain = (self.kl.get(current, math.inf) - self.kl.get(level, math.inf)) * tokens / size
+                if not gain > 0 or (best is not None and (gain, i) <= best[:2]):
+                    continue
+                if now + self._net_s(size) + self._decode_s(level, size) <= latest:
+                    best = (gain, i, level)
+        if best is not None:
+            self._start(best[1], best[2], now)
+
     def _link_busy(self) -> bool:
         job = self.current
         if job is None or not job.done.is_set():
@@ -634,7 +751,12 @@ class _Loader:
         with self.cv:
             if not job.abandoned:
                 self._sample(job)
-                if job.error is not None:
+                if job.error is not None and self.done[job.index]:  # an upgrade: the chunk stays
+                    self.jobs.pop(job.index, None)
+                    self.kept.add(job.index)
+                    self._fail(job.index, job.level, job.error, "could not be fetched again (upgrade)")
+                    self._feed()
+                elif job.error is not None:
                     self.retry = job
                 else:
                     self._feed()
@@ -700,11 +822,15 @@ class _Loader:
         n = len(self.ranges)
         while True:
             with self.cv:
-                if all(self.done):
-                    return
+                complete = all(self.done)
+                if complete and (not self.jobs or not self.adapt or time.perf_counter() >= self._latest()):
+                    return  # an upgrade still out when time is up is dropped
                 self._feed()
                 now = time.perf_counter()
                 action = self._next_action(now)
+                if action is None and complete:
+                    self.cv.wait(max(0.0, min(self._wait_s(now), self._latest() - now)))
+                    continue
                 if action is None:
                     if self.current is None and not self.jobs and self.retry is None:
                         # Nothing in flight: no fetch will wake this thread, and waiting changes
@@ -747,6 +873,9 @@ class _Loader:
         the rest text (_Failed)."""
         i, rec = job.index, self.records[job.index]
         assert self.state is not None
+        if self.done[i]:
+            self._take_upgrade(job)
+            return
         with self.cv:
             self.jobs.pop(i, None)
         rec.bytes += job.bytes
@@ -787,6 +916,30 @@ class _Loader:
                     stale = self.jobs.pop(k, None)
                     if stale is not None:
                         stale.abandoned = True
+
+    def _take_upgrade(self, job: _Job) -> None:
+        """A chunk fetched again at a better level (_upgrade) over the one in the buffer. A decode
+        that fails may have written part of the chunk's rows: the chunk is computed instead."""
+        i, rec = job.index, self.records[job.index]
+        assert self.state is not None
+        with self.cv:
+            self.jobs.pop(i, None)
+        rec.bytes += job.bytes
+        rec.fetch_ms += job.seconds * 1e3
+        start = time.perf_counter()
+        try:
+            codec.decode_chunk(job.result.chunk, job.result.stats, self.state, threads=self.threads)
+        except CacheGenError as exc:
+            self._fail(i, job.level, exc, "did not decode (upgrade)")
+            with self.cv:
+                self.done[i] = False
+                self._claim(i, "failed")
+            return
+        finally:
+            rec.decode_ms += (time.perf_counter() - start) * 1e3
+        with self.cv:
+            rec.upgraded_from, rec.level, self.plan[i] = rec.level, job.level, job.level
+            self.decode_s_per_byte[job.level] = (time.perf_counter() - start) / max(1, len(job.result.chunk))
 
     def _fail(self, i: int, level: str, exc: BaseException, what: str) -> None:
         self.failures.append(f"chunk {i} ({level}) {what}: {type(exc).__name__}: {exc}")
@@ -878,6 +1031,10 @@ class _Loader:
         self._start_skeleton()
         self._fill()
         with self.cv:
+            for job in self.jobs.values():  # upgrades not in when the rest was
+                job.abandoned = True
+                if not job.done.is_set():
+                    self.records[job.index].bytes += self._drop(job)
             job = self.skeleton_job
             if job is not None:  # every chunk computed first: the skeleton is not needed
                 job.abandoned = True
@@ -1055,7 +1212,7 @@ def load_streaming(
     t3 = time.perf_counter()
     records = loader.records
     kl = sum(table.get(r.level, math.nan) * (r.end - r.begin) for r in records) / max(1, int(tokens.size))
-    bytes_read = len(data) + loader.reader.bytes_read
+    bytes_read = len(data) + loader.reader.bytes_read + loader.dropped_bytes
     state_bytes = 0 if loader.state is None else len(loader.state)
     return StreamReport(
         tokens=int(tokens.size) if target in (None, 0) else 0,

@@ -166,6 +166,17 @@ class Store(ABC):
         """Removes leftovers of writers that died; returns how many (most stores leave none)."""
         return 0
 
+    def received(self, thread_id: int) -> int | None:
+        """Bytes the `get`s on thread `thread_id` have received so far, all of them together (one
+        in flight included); None when this store cannot tell, or that thread has read nothing."""
+        return None
+
+    def cancel(self, thread_id: int) -> bool:
+        """Ends the `get` in flight on thread `thread_id` (it raises StoreError) so that the link
+        is free for another read; False when this store cannot (its reads are local, or the client
+        library cannot end one), and the read goes on."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Releases connections."""
 

@@ -41,6 +41,7 @@ MAX_BODY = 8 << 30  # refuse uploads beyond this: a state of 8 GiB is already fa
 BODY_TIMEOUT_S = 60.0  # an upload that sends nothing for this long is dropped
 KEEPALIVE_S = 30.0  # idle connections (and connections that never send a request) are closed
 _CHUNK = 1 << 20
+_READ_PIECE = 1 << 18  # the most a client's read takes at once (it counts its progress per read)
 
 
 def load_token(token_file: str | Path | None = None) -> str | None:
@@ -75,11 +76,12 @@ def bearer_ok(header: str | None, token: str) -> bool:
 class _Reader:
     """A thread's GET in flight on one HttpStore, for close() to end."""
 
-    __slots__ = ("response", "cancelled", "__weakref__")
+    __slots__ = ("response", "cancelled", "received", "__weakref__")
 
     def __init__(self) -> None:
         self.response: urllib3.BaseHTTPResponse | None = None  # once its reply's headers are in
         self.cancelled = False  # closed while its request waited for the reply (or was retried)
+        self.received = 0  # body bytes this thread's gets have read, in all
 
 
 class _Retry(urllib3.Retry):
@@ -166,8 +168,14 @@ class HttpStore(Store):
         try:
             if reader.cancelled:
                 response.shutdown()
-                raise StoreError(f"HTTP GET {self._url(key)}: the store was closed")
-            return response.read()
+                raise StoreError(f"HTTP GET {self._url(key)}: the read was cancelled")
+            pieces = []
+            while piece := response.read1(_READ_PIECE):  # what has arrived, up to a piece
+                pieces.append(piece)
+                reader.received += len(piece)
+            if reader.cancelled:  # shut down between two pieces: what came is not the whole body
+                raise StoreError(f"HTTP GET {self._url(key)}: the read was cancelled")
+            return b"".join(pieces)
         except urllib3.exceptions.HTTPError as exc:
             raise StoreError(f"HTTP GET {self._url(key)}: the body broke off: {exc}") from exc
         finally:
@@ -209,6 +217,21 @@ class HttpStore(Store):
 
     def touch(self, key: str, at: float | None = None) -> None:
         """Nothing to do: the server marks an entry used on every GET."""
+
+    def received(self, thread_id: int) -> int | None:
+        with self._lock:
+            reader = self._readers.get(thread_id)
+        return None if reader is None else reader.received
+
+    def cancel(self, thread_id: int) -> bool:
+        with self._lock:
+            reader = self._readers.get(thread_id)
+        if reader is None:  # no read begun on that thread
+            return False
+        reader.cancelled = True
+        if reader.response is not None:
+            reader.response.shutdown()
+        return True
 
     def close(self) -> None:
         """Ends the reads still in flight too (a fetch a streaming load gave up on, still on its
