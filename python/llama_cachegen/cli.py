@@ -600,8 +600,8 @@ def _load(args: argparse.Namespace) -> int:
         (
             str(c["index"]),
             f"{c['begin']}-{c['end']}",
-            c["level"],
-            c["reason"],
+            c["level"] if c["upgraded_from"] is None else f"{c['upgraded_from']} -> {c['level']}",
+            c["reason"] + (f", {c['given_up']} given up" if c["given_up"] else ""),
             _size(c["bytes"]),
             f"{c['fetch_ms']:.0f}",
             f"{c['decode_ms']:.1f}",

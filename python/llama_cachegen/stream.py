@@ -24,11 +24,13 @@ and takes the plan with the lowest token-weighted KL that finishes within a shar
 left (_SLO_SHARE, less on a link whose rate has varied between chunks: `_share`) and at least
 _SLO_FLOOR of the SLO before its end, the earliest among equals; when none fits, the earliest.
 The link fetches its next chunk at that plan's level; the CPU computes the front chunk when the
-plan computes any. Races, both ways, in pieces of _PIECE tokens: when the only chunk left is in
-flight and not due within a piece's compute time, the CPU computes it too and stops as soon as
-the fetch arrives; when every chunk is decided and the link is free, it fetches the chunk the CPU
-computes if that plan is better (a text chunk begun on a rate estimate that turned out too slow).
-A stalled link costs at most one chunk's compute time, a fast one at most one piece.
+plan computes any. Races, both ways, in pieces of _PIECE tokens (_RACE_PIECE while a fetch of the
+chunk is in flight): when the only chunk left is in flight and not due within a piece's compute
+time, the CPU computes it too and stops as soon as the fetch arrives; when every chunk is decided
+and the link is free, it fetches the chunk the CPU computes if that plan is better (a text chunk
+begun on a rate estimate that turned out too slow), or if the CPU will be late and the latest
+fetch's rate would bring it first. A stalled link costs at most one chunk's compute time, a fast
+one at most one piece.
 
 Two corrections for a rate that changes under a plan:
 - A fetch past its prediction is measured as it goes (the bytes it has received over the last
@@ -119,6 +121,7 @@ _SLO_FLOOR = 0.05
 _SPREAD_Z = 1.0
 _PRIOR_SPREAD = 0.25
 _PIECE = 32  # tokens per llama_decode call of a text chunk: a computation can stop between pieces
+_RACE_PIECE = 8  # ... while a fetch of that chunk is in flight (smaller pieces compute slower)
 _RECENT_S = 0.3  # a late fetch's rate is measured over its last this many seconds
 _GIVE_UP_GAIN = 0.1  # ... by this share of the time to the finish that waiting for it would give
 _TICK_S = 0.05  # the assembly plans again at least this often while it waits for the link
@@ -650,8 +653,9 @@ class _Loader:
     def _race_computing(self, now: float) -> None:
         """The link, free with every chunk decided, fetches the chunk the CPU is computing when
         that plan is better (_better: within the deadline, the lower KL, the earlier) than the
-        CPU's: a text chunk begun on a rate that turned out too slow. The CPU stops at its next
-        piece if the fetch arrives first."""
+        CPU's: a text chunk begun on a rate that turned out too slow; where the CPU will miss the
+        deadline, also when the latest fetch's rate would bring the smallest level first. The CPU
+        stops at its next piece if the fetch arrives first."""
         i = self.computing
         if i is None or i in self.jobs or self.done[i] or (self.oracle is None and self._inv() is None):
             return
@@ -664,6 +668,13 @@ class _Loader:
             plan = _Plan(level, 0, finish, self.kl.get(level, math.inf) * tokens, finish <= deadline)
             if _better(plan, best):
                 best = plan
+        if best.level == TEXT and not best.feasible and self.oracle is None and self.invs:
+            # The CPU will be late and the link is idle: a bet on the latest fetch's rate (a link
+            # that has recovered shows there first) costs nothing if it loses.
+            level = self.levels[i][-1]
+            size = self._size(i, level)
+            if now + size * self.invs[-1] + self._decode_s(level, size) < self.cpu_free:
+                best = _Plan(level, 0, self.cpu_free, 0.0, False)
         if best.level != TEXT:
             self._start(i, best.level, now)
 
@@ -976,7 +987,8 @@ class _Loader:
         with self.cv:
             self.computing = i
         try:
-            for p in range(first, e, _PIECE):
+            p = first
+            while p < e:
                 with self.cv:
                     if self.tps:
                         self.cpu_free = time.perf_counter() + (e - p) / self.tps
@@ -992,12 +1004,14 @@ class _Loader:
                         raise _Stopped
                     skeleton = self.skeleton_job
                     self._feed()
+                    # a fetch of this chunk in flight: shorter pieces, to stop soon after it arrives
+                    piece = _PIECE if self.jobs.get(i) is None else _RACE_PIECE
                 if skeleton is not None and skeleton.done.is_set():
                     self._take_skeleton(skeleton)
-                q = min(e, p + _PIECE)
+                q = min(e, p + piece)
                 self.held = -1
                 _decode_tokens(self.llm.ctx, self.tokens[p:q], p, seq, int(self.llm.n_batch))
-                self.held = q
+                self.held = p = q
         finally:
             rec.compute_ms += (time.perf_counter() - start) * 1e3
             with self.cv:
