@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -584,6 +585,7 @@ class _ChunkReader:
         self.ranges = chunk_ranges(len(tokens), chunk_tokens)
         self._stats: dict[str, codec.Stats] = {}
         self.bytes_read = 0
+        self._thread_bytes: dict[int, int] = {}  # bytes_read per reading thread
 
     @property
     def stats_ids(self) -> list[str]:
@@ -593,10 +595,23 @@ class _ChunkReader:
     def get_verified(self, key: str, object_id: str, what: str) -> bytes:
         """A content-addressed object whose sha256 must be its id."""
         data = self.store.get(key)
-        self.bytes_read += len(data)
+        self._count(len(data))
         if _sha256(data) != object_id:
             raise CorruptDataError(f"{what} {key!r} does not hash to its id")
         return data
+
+    def _count(self, n: int) -> None:
+        self.bytes_read += n
+        ident = threading.get_ident()
+        self._thread_bytes[ident] = self._thread_bytes.get(ident, 0) + n
+
+    def count_this_thread(self) -> None:
+        """Starts bytes_of this thread from 0 (a thread id can be one an ended thread had)."""
+        self._thread_bytes[threading.get_ident()] = 0
+
+    def bytes_of(self, thread_id: int) -> int:
+        """Bytes read so far by the gets of thread `thread_id`, since count_this_thread there."""
+        return self._thread_bytes.get(thread_id, 0)
 
     def fetch(self, i: int, levels: Sequence[str] | None = None) -> _Fetched:
         """Chunk i at the first of `levels` (default: its candidates) that the store has."""
@@ -606,7 +621,7 @@ class _ChunkReader:
                 chunk = self.store.get(_chunk_key(self.keys[i], level))
             except EntryNotFoundError:
                 continue  # evicted since the manifest was written: the next level may be there
-            self.bytes_read += len(chunk)
+            self._count(len(chunk))
             meta = self._check(i, level, chunk)
             if meta.stats_id not in self._stats:
                 data = self.get_verified(_stats_key(meta.stats_id), meta.stats_id, "statistics")

@@ -301,6 +301,7 @@ class _Job:
         self.thread.start()
 
     def _run(self) -> None:
+        self._reader.count_this_thread()
         before = self._reader.bytes_read
         try:
             self.result = self._fetch()
@@ -410,6 +411,7 @@ class _Loader:
         self.skeleton_tries = 0
         self.kept: set[int] = set()  # chunks whose upgrade failed: not tried again
         self.dropped_bytes = 0  # received by fetches given up on (not in reader.bytes_read)
+        self.finished = False  # the buffer is complete: nothing more is fetched
 
     # -- estimates --
 
@@ -621,7 +623,7 @@ class _Loader:
         """Starts the next fetch if the link is free (holds cv): the front's chunk in order (up to
         _LOOKAHEAD ahead of the assembly), or with the CPU computing from the front, the last;
         with nothing left to decide, the chunk the CPU computes when a fetch of it serves better."""
-        if self.state is None or self.fallback is not None or self.retry is not None:
+        if self.state is None or self.finished or self.fallback is not None or self.retry is not None:
             return
         if self._link_busy() and not (self.adapt and self._abort_late(time.perf_counter())):
             return
@@ -715,7 +717,8 @@ class _Loader:
 
     def _drop(self, job: _Job) -> int:
         """Bytes a fetch given up on had received (counted in the report: they took the link)."""
-        got = self.store.received(job.thread.ident or 0) or 0
+        ident = job.thread.ident or 0
+        got = max(0, (self.store.received(ident) or 0) - self.reader.bytes_of(ident))
         self.dropped_bytes += got
         return got
 
@@ -763,9 +766,7 @@ class _Loader:
             if not job.abandoned:
                 self._sample(job)
                 if job.error is not None and self.done[job.index]:  # an upgrade: the chunk stays
-                    self.jobs.pop(job.index, None)
-                    self.kept.add(job.index)
-                    self._fail(job.index, job.level, job.error, "could not be fetched again (upgrade)")
+                    self._upgrade_failed(job)
                     self._feed()
                 elif job.error is not None:
                     self.retry = job
@@ -833,10 +834,10 @@ class _Loader:
         n = len(self.ranges)
         while True:
             with self.cv:
+                self._feed()
                 complete = all(self.done)
                 if complete and (not self.jobs or not self.adapt or time.perf_counter() >= self._latest()):
                     return  # an upgrade still out when time is up is dropped
-                self._feed()
                 now = time.perf_counter()
                 action = self._next_action(now)
                 if action is None and complete:
@@ -890,7 +891,7 @@ class _Loader:
         with self.cv:
             self.jobs.pop(i, None)
         rec.bytes += job.bytes
-        rec.fetch_ms = job.seconds * 1e3
+        rec.fetch_ms += job.seconds * 1e3
         rec.fetch_at_ms = (job.start - self.t0) * 1e3
         error = job.error
         if error is None:
@@ -934,7 +935,13 @@ class _Loader:
         i, rec = job.index, self.records[job.index]
         assert self.state is not None
         with self.cv:
-            self.jobs.pop(i, None)
+            if job.error is not None:  # taken before its thread could report it (_fetched)
+                self._upgrade_failed(job)
+                return
+            if self.jobs.get(i) is not job:
+                return
+            del self.jobs[i]
+            self.plan[i] = job.level  # not chosen again for an upgrade while it decodes
         rec.bytes += job.bytes
         rec.fetch_ms += job.seconds * 1e3
         start = time.perf_counter()
@@ -942,6 +949,8 @@ class _Loader:
             codec.decode_chunk(job.result.chunk, job.result.stats, self.state, threads=self.threads)
         except CacheGenError as exc:
             self._fail(i, job.level, exc, "did not decode (upgrade)")
+            if not self.text_ok:
+                raise
             with self.cv:
                 self.done[i] = False
                 self._claim(i, "failed")
@@ -949,8 +958,16 @@ class _Loader:
         finally:
             rec.decode_ms += (time.perf_counter() - start) * 1e3
         with self.cv:
-            rec.upgraded_from, rec.level, self.plan[i] = rec.level, job.level, job.level
+            rec.upgraded_from, rec.level = rec.upgraded_from or rec.level, job.level
             self.decode_s_per_byte[job.level] = (time.perf_counter() - start) / max(1, len(job.result.chunk))
+
+    def _upgrade_failed(self, job: _Job) -> None:
+        """An upgrade that could not be fetched (holds cv): the chunk stays as it is, for good."""
+        if self.jobs.get(job.index) is job:
+            del self.jobs[job.index]
+            self.kept.add(job.index)
+            assert job.error is not None
+            self._fail(job.index, job.level, job.error, "could not be fetched again (upgrade)")
 
     def _fail(self, i: int, level: str, exc: BaseException, what: str) -> None:
         self.failures.append(f"chunk {i} ({level}) {what}: {type(exc).__name__}: {exc}")
@@ -1005,7 +1022,8 @@ class _Loader:
                     skeleton = self.skeleton_job
                     self._feed()
                     # a fetch of this chunk in flight: shorter pieces, to stop soon after it arrives
-                    piece = _PIECE if self.jobs.get(i) is None else _RACE_PIECE
+                    racing = self.jobs.get(i)
+                    piece = _PIECE if racing is None or racing.done.is_set() else _RACE_PIECE
                 if skeleton is not None and skeleton.done.is_set():
                     self._take_skeleton(skeleton)
                 q = min(e, p + piece)
@@ -1045,6 +1063,7 @@ class _Loader:
         self._start_skeleton()
         self._fill()
         with self.cv:
+            self.finished = True  # no fetch starts after this (a fetch thread's _feed)
             for job in self.jobs.values():  # upgrades not in when the rest was
                 job.abandoned = True
                 if not job.done.is_set():

@@ -172,9 +172,9 @@ class Store(ABC):
         return None
 
     def cancel(self, thread_id: int) -> bool:
-        """Ends the `get` in flight on thread `thread_id` (it raises StoreError) so that the link
-        is free for another read; False when this store cannot (its reads are local, or the client
-        library cannot end one), and the read goes on."""
+        """Ends the `get` in flight on thread `thread_id`, and any that thread starts later (they
+        raise StoreError), so that the link is free for another reader; False when this store
+        cannot (its reads are local, or the client library cannot end one), and the read goes on."""
         return False
 
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing

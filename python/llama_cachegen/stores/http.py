@@ -76,12 +76,20 @@ def bearer_ok(header: str | None, token: str) -> bool:
 class _Reader:
     """A thread's GET in flight on one HttpStore, for close() to end."""
 
-    __slots__ = ("response", "cancelled", "received", "__weakref__")
+    __slots__ = ("response", "cancelled", "stopped", "received", "__weakref__")
 
     def __init__(self) -> None:
         self.response: urllib3.BaseHTTPResponse | None = None  # once its reply's headers are in
         self.cancelled = False  # closed while its request waited for the reply (or was retried)
+        self.stopped = False  # cancel(): this read and every later one on the thread end at once
         self.received = 0  # body bytes this thread's gets have read, in all
+
+    def end(self) -> None:
+        """Shuts the reply in flight down, if there is one still open."""
+        response = self.response  # read once: the reading thread clears it when done
+        if response is not None:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):  # already back in the pool
+                response.shutdown()
 
 
 class _Retry(urllib3.Retry):
@@ -162,7 +170,9 @@ class HttpStore(Store):
             reader = self._local.reader = _Reader()
             with self._lock:
                 self._readers[threading.get_ident()] = reader
-        reader.cancelled = False
+        reader.cancelled = reader.stopped
+        if reader.stopped:
+            raise StoreError(f"HTTP GET {self._url(key)}: reads on this thread were cancelled")
         response = self._request("GET", key, preload=False)
         reader.response = response
         try:
@@ -228,9 +238,8 @@ class HttpStore(Store):
             reader = self._readers.get(thread_id)
         if reader is None:  # no read begun on that thread
             return False
-        reader.cancelled = True
-        if reader.response is not None:
-            reader.response.shutdown()
+        reader.cancelled = reader.stopped = True
+        reader.end()
         return True
 
     def close(self) -> None:
@@ -240,8 +249,7 @@ class HttpStore(Store):
             readers = list(self._readers.values())
         for reader in readers:
             reader.cancelled = True
-            if reader.response is not None:
-                reader.response.shutdown()
+            reader.end()
         self._pool.clear()
 
 
