@@ -447,20 +447,28 @@ class _Loader:
 
     def _late_inv(self, now: float) -> float | None:
         """Seconds per byte the chunk fetch in flight shows, once it is past its prediction
-        (before, latency and the connection's ramp make a part of a fetch a poor sample): over
-        its last _RECENT_S where the store reports its progress (Store.received), else its time
-        over its whole size (at least)."""
+        (before, latency and the connection's ramp make a part of a fetch a poor sample): its
+        recent rate (_shown_inv), else its time over its whole size (at least)."""
         job = self.current
         if job is None or job.index < 0 or job.done.is_set() or now - job.start <= job.predicted_s:
             return None
+        shown = self._shown_inv(job, now)
+        return shown if shown is not None else (now - job.start) / self._size(job.index, job.level)
+
+    def _shown_inv(self, job: _Job, now: float) -> float | None:
+        """Seconds per byte of a fetch over its last _RECENT_S, from the bytes the store says it
+        has received (Store.received); None before it has run that long (its first bytes wait
+        for the reply) or where the store cannot tell."""
         received = self.store.received(job.thread.ident or 0)
         if received is None:
-            return (now - job.start) / self._size(job.index, job.level)
+            return None
         marks = job.marks
         marks.append((now, received))
         while len(marks) > 2 and marks[1][0] <= now - _RECENT_S:
             del marks[0]
         since, before = marks[0]
+        if now - since < _RECENT_S:
+            return None
         return (now - since) / max(1, received - before)
 
     def _net_s(self, nbytes: float) -> float:
@@ -493,18 +501,18 @@ class _Loader:
 
     def _link_end(self, now: float) -> float:
         """When the fetch in flight is expected to end (now when the link is free); a late one
-        ends its bytes left at the rate it shows (_late_inv), or where the store cannot tell how
-        many are left, is as late again."""
+        ends its bytes left at the rate it shows (_shown_inv), or where that is not known (yet),
+        is as late again."""
         job = self.current
         if job is None or job.done.is_set():
             return now
         end = job.start + job.predicted_s
         if end > now:
             return end
-        received = self.store.received(job.thread.ident or 0) if job.index >= 0 else None
-        inv = self._late_inv(now)
-        if received is None or inv is None:
+        inv = self._shown_inv(job, now) if job.index >= 0 else None
+        if inv is None:
             return now + (now - end)
+        received = job.marks[-1][1]
         left = max(0.0, self._size(job.index, job.level) - received)  # its statistics may follow
         return now + left * inv
 
