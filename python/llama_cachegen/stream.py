@@ -1030,8 +1030,10 @@ class _Loader:
                     skeleton = self.skeleton_job
                     self._feed()
                     # a fetch of this chunk in flight: shorter pieces, to stop soon after it arrives
+                    # (within the chunk: a recurrent model's recomputation before it keeps _PIECE)
                     racing = self.jobs.get(i)
-                    piece = _PIECE if racing is None or racing.done.is_set() else _RACE_PIECE
+                    idle = racing is None or racing.done.is_set() or p < b
+                    piece = _PIECE if idle else _RACE_PIECE
                 if skeleton is not None and skeleton.done.is_set():
                     self._take_skeleton(skeleton)
                 q = min(e, p + piece)
