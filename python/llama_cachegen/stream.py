@@ -684,7 +684,8 @@ class _Loader:
             level = self.levels[i][-1]
             size = self._size(i, level)
             if now + size * self.invs[-1] + self._decode_s(level, size) < self.cpu_free:
-                best = _Plan(level, 0, self.cpu_free, 0.0, False)
+                self._start(i, level, now)
+                return
         if best.level != TEXT:
             self._start(i, best.level, now)
 
@@ -693,8 +694,9 @@ class _Loader:
         plan waiting for it meets the deadline and one without it does, or when none does, one
         without it ends clearly earlier (_GIVE_UP_GAIN): the chunk is planned again with the
         others. Only where the store can end the read (Store.cancel)."""
+        shown = self._late_inv(now)
         job = self.current
-        if job is None or job.done.is_set() or job.index < 0 or now - job.start <= job.predicted_s:
+        if shown is None or job is None:  # nothing in flight, or not late
             return False
         j = job.index
         if self.plan[j] != job.level or self.done[j]:  # a race against the CPU, or an upgrade
@@ -706,9 +708,8 @@ class _Loader:
             return False
         # without it, the link is planned at no more than the rate this fetch has shown
         saved = self.plan[j], self.current, self.ewma_inv
-        shown = self._late_inv(now)
         self.plan[j], self.current = None, None
-        self.ewma_inv = max(self.ewma_inv or 0.0, shown or 0.0)
+        self.ewma_inv = max(self.ewma_inv or 0.0, shown)
         free = self._best(self._undecided(), now)
         finish = max(arrival, wait.finish if wait is not None else arrival)
         better = free is not None and (free.feasible or free.finish < finish - _GIVE_UP_GAIN * (finish - now))
@@ -903,16 +904,11 @@ class _Loader:
         rec.fetch_at_ms = (job.start - self.t0) * 1e3
         error = job.error
         if error is None:
-            start = time.perf_counter()
-            rec.decode_at_ms = (start - self.t0) * 1e3
-            try:
-                codec.decode_chunk(job.result.chunk, job.result.stats, self.state, threads=self.threads)
-            except CacheGenError as exc:
-                error = exc
-            rec.decode_ms = (time.perf_counter() - start) * 1e3
+            rec.decode_at_ms = (time.perf_counter() - self.t0) * 1e3
+            error, seconds = self._decode(job)
+            rec.decode_ms = seconds * 1e3
             if error is None:
                 with self.cv:
-                    self.decode_s_per_byte[job.level] = rec.decode_ms / 1e3 / max(1, len(job.result.chunk))
                     self.done[i] = True
                 self._report(i)
                 return
@@ -941,7 +937,6 @@ class _Loader:
         """A chunk fetched again at a better level (_upgrade) over the one in the buffer. A decode
         that fails may have written part of the chunk's rows: the chunk is computed instead."""
         i, rec = job.index, self.records[job.index]
-        assert self.state is not None
         with self.cv:
             if job.error is not None:  # taken before its thread could report it (_fetched)
                 self._upgrade_failed(job)
@@ -952,22 +947,32 @@ class _Loader:
             self.plan[i] = job.level  # not chosen again for an upgrade while it decodes
         rec.bytes += job.bytes
         rec.fetch_ms += job.seconds * 1e3
-        start = time.perf_counter()
-        try:
-            codec.decode_chunk(job.result.chunk, job.result.stats, self.state, threads=self.threads)
-        except CacheGenError as exc:
-            self._fail(i, job.level, exc, "did not decode (upgrade)")
+        error, seconds = self._decode(job)
+        rec.decode_ms += seconds * 1e3
+        if error is not None:
+            self._fail(i, job.level, error, "did not decode (upgrade)")
             if not self.text_ok:
-                raise
+                raise error
             with self.cv:
                 self.done[i] = False
                 self._claim(i, "failed")
             return
-        finally:
-            rec.decode_ms += (time.perf_counter() - start) * 1e3
         with self.cv:
             rec.upgraded_from, rec.level = rec.upgraded_from or rec.level, job.level
-            self.decode_s_per_byte[job.level] = (time.perf_counter() - start) / max(1, len(job.result.chunk))
+
+    def _decode(self, job: _Job) -> tuple[CacheGenError | None, float]:
+        """A fetched chunk decoded into its place in the buffer: (the error, if it failed; the
+        seconds it took). A success measures the level's decode speed."""
+        assert self.state is not None
+        start = time.perf_counter()
+        try:
+            codec.decode_chunk(job.result.chunk, job.result.stats, self.state, threads=self.threads)
+        except CacheGenError as exc:
+            return exc, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        with self.cv:
+            self.decode_s_per_byte[job.level] = seconds / max(1, len(job.result.chunk))
+        return None, seconds
 
     def _upgrade_failed(self, job: _Job) -> None:
         """An upgrade that could not be fetched (holds cv): the chunk stays as it is, for good."""

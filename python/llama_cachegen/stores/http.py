@@ -228,14 +228,16 @@ class HttpStore(Store):
     def touch(self, key: str, at: float | None = None) -> None:
         """Nothing to do: the server marks an entry used on every GET."""
 
-    def received(self, thread_id: int) -> int | None:
+    def _reader_of(self, thread_id: int) -> _Reader | None:
         with self._lock:
-            reader = self._readers.get(thread_id)
+            return self._readers.get(thread_id)
+
+    def received(self, thread_id: int) -> int | None:
+        reader = self._reader_of(thread_id)
         return None if reader is None else reader.received
 
     def cancel(self, thread_id: int) -> bool:
-        with self._lock:
-            reader = self._readers.get(thread_id)
+        reader = self._reader_of(thread_id)
         if reader is None:  # no read begun on that thread
             return False
         reader.cancelled = reader.stopped = True
