@@ -230,6 +230,23 @@ def test_chunks_fetched_low_are_fetched_again_better_while_time_is_left(
     _continues(loader, original)
 
 
+def test_an_idle_cpu_computes_lossy_chunks_again_while_time_is_left(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    """Compact chunks only, 60 s, a fast link: the link brings the chunks from the back compact
+    while the CPU computes from the front; once every chunk is in the buffer the CPU, idle until
+    the SLO's end, computes the compact ones again in order: every chunk ends exact (text)."""
+    _, url = relay
+    compact_url = url + "-compact-only"
+    chunks.save_chunked(original["llm"], compact_url, levels=("compact",), chunk_tokens=C)
+    report = stream.load_streaming(loader, compact_url, slo_s=60.0, prior_mbps=FAST)
+    assert report.text_chunks == list(range(CHUNKS)) and report.expected_kl == 0.0
+    again = [r for r in report.records if r.upgraded_from is not None]
+    assert again and all(r.upgraded_from == "compact" and r.bytes > 0 and r.compute_ms > 0 for r in again)
+    assert report.to_dict()["levels"] == {"text": CHUNKS} and report.failures == []
+    _continues(loader, original)
+
+
 def test_an_upgrade_that_fails_leaves_the_chunk_as_it_was(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:

@@ -40,8 +40,10 @@ Two corrections for a rate that changes under a plan:
 - Time left is spent on quality: with every chunk decided and the link free, a chunk in the
   buffer is fetched again at a better level (the most KL gained per byte) when that is due
   before the SLO (less its last _SLO_FLOOR and the restore); the load waits for it until then
-  and drops it after (`upgraded_from` in its record). Plans made on a pessimistic estimate
-  (a slow start, a wide spread) so give back what they cost.
+  and drops it after (`upgraded_from` in its record). The CPU, idle once every chunk is in the
+  buffer, computes the first lossy chunks again (exact, in order from the first one that is not,
+  as many as end by then; the link upgrades the others), stopping between pieces at that time.
+  Plans made on a pessimistic estimate (a slow start, a wide spread) so give back what they cost.
 
 The skeleton is fetched first (the buffer is built from it); while it is late (longer than a
 piece's compute), the CPU computes from the first chunk into the context, which keeps what it
@@ -740,8 +742,9 @@ class _Loader:
             return
         latest = self._latest()
         best: tuple[float, int, str] | None = None
+        cpu = {*self._recomputable(now), self.computing}
         for i, current in enumerate(self.plan):
-            if current in (None, TEXT) or not self.done[i] or i in self.jobs or i in self.kept:
+            if current in (None, TEXT) or not self.done[i] or i in self.jobs or i in self.kept or i in cpu:
                 continue
             tokens = self.ranges[i][1] - self.ranges[i][0]
             for level in self.levels[i][: self.levels[i].index(current)]:
@@ -753,6 +756,25 @@ class _Loader:
                     best = (gain, i, level)
         if best is not None:
             self._start(best[1], best[2], now)
+
+    def _recomputable(self, now: float) -> list[int]:
+        """The lossy chunks the CPU, free or once done with its chunk, can compute again by
+        _latest (exact K/V, as text): from the first chunk that is not exact on, each with every
+        chunk before it exact, and none whose fetch (an upgrade) is in flight. A model with a
+        recurrent state, whose context cannot be restored for a prefix, only where it holds the
+        chunks before them."""
+        if not (self.adapt and self.both and self.tps and all(self.done)):
+            return []
+        k = next((i for i, lv in enumerate(self.plan) if lv not in (TEXT, "lossless")), None)
+        if k is None or (self.recurrent and self.held != self.ranges[k][0]):
+            return []
+        t, latest, out = max(now, self.cpu_free), self._latest(), []
+        for i in range(k, len(self.plan)):
+            t += self._text_s(i)
+            if i in self.jobs or self.plan[i] == "lossless" or t > latest:
+                break
+            out.append(i)
+        return out
 
     def _link_busy(self) -> bool:
         job = self.current
@@ -797,7 +819,8 @@ class _Loader:
             return "take", min(arrived, key=lambda j: j.index)
         front = next((k for k, d in enumerate(self.done) if not d), None)
         if front is None:
-            return None
+            again = self._recomputable(now)
+            return ("recompute", again[0]) if again else None
         if self.plan[front] == TEXT:
             return "compute", None
         if not self.both:
@@ -845,11 +868,13 @@ class _Loader:
             with self.cv:
                 self._feed()
                 complete = all(self.done)
-                if complete and (not self.jobs or not self.adapt or time.perf_counter() >= self._latest()):
-                    return  # an upgrade still out when time is up is dropped
                 now = time.perf_counter()
+                if complete and (not self.adapt or now >= self._latest()):
+                    return  # an upgrade still out when time is up is dropped
                 action = self._next_action(now)
                 if action is None and complete:
+                    if not self.jobs:
+                        return
                     self.cv.wait(max(0.0, min(self._wait_s(now), self._latest() - now)))
                     continue
                 if action is None:
@@ -868,6 +893,9 @@ class _Loader:
                 continue
             if kind == "take":
                 self._take(job)
+                continue
+            if kind == "recompute":
+                self._recompute(job)
                 continue
             i = job.index if kind == "race" else next(k for k in range(n) if not self.done[k])
             try:
@@ -944,6 +972,8 @@ class _Loader:
             if self.jobs.get(i) is not job:
                 return
             del self.jobs[i]
+            if self.plan[i] == TEXT:  # computed again meanwhile (a race with _recompute): exact
+                return
             self.plan[i] = job.level  # not chosen again for an upgrade while it decodes
         rec.bytes += job.bytes
         rec.fetch_ms += job.seconds * 1e3
@@ -985,13 +1015,26 @@ class _Loader:
     def _fail(self, i: int, level: str, exc: BaseException, what: str) -> None:
         self.failures.append(f"chunk {i} ({level}) {what}: {type(exc).__name__}: {exc}")
 
-    def _compute(self, i: int) -> None:
+    def _recompute(self, i: int) -> None:
+        """A lossy chunk in the buffer computed again (exact; _recomputable): the CPU would be idle
+        until the SLO's end. Stopped at _latest, the chunk stays as it was."""
+        rec = self.records[i]
+        try:
+            self._compute(i, until=self._latest())
+        except _Stopped:
+            return
+        with self.cv:
+            rec.upgraded_from, rec.level = rec.upgraded_from or rec.level, TEXT
+            self.plan[i] = TEXT
+
+    def _compute(self, i: int, until: float | None = None) -> None:
         """Chunk i computed by llama.cpp on top of chunks 0..i-1 (what the context holds, else
         restored from the buffer; for a model with a recurrent state, computed again from the
         first token), in pieces of _PIECE tokens, and spliced into the buffer (once there is one:
         before the skeleton arrives, the context keeps the chunks computed so far).
-        Given up (_Stopped) as soon as a fetch of the chunk has arrived; between pieces, a
-        skeleton that arrived becomes the buffer and the link is fed."""
+        Given up (_Stopped) as soon as a fetch of the chunk has arrived, or a piece would end
+        after `until`; between pieces, a skeleton that arrived becomes the buffer and the link is
+        fed."""
         rec = self.records[i]
         b, e = rec.begin, rec.end
         start = time.perf_counter()
@@ -1023,9 +1066,12 @@ class _Loader:
                     if self.tps:
                         self.cpu_free = time.perf_counter() + (e - p) / self.tps
                     job = self.jobs.get(i)
-                    if job is not None and job.done.is_set() and job.error is None:
-                        self.plan[i] = job.level
-                        rec.level, rec.reason = job.level, "raced"
+                    arrived = job is not None and job.done.is_set() and job.error is None
+                    late = until is not None and time.perf_counter() + self._piece_s(i) > until
+                    if arrived or late:
+                        if arrived:
+                            self.plan[i] = job.level
+                            rec.level, rec.reason = job.level, "raced"
                         if self.recurrent:  # not cut back (llama.cpp cannot): it holds 0..p-1
                             self.held = p
                         else:
