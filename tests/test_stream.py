@@ -230,6 +230,24 @@ def test_chunks_fetched_low_are_fetched_again_better_while_time_is_left(
     _continues(loader, original)
 
 
+def test_a_new_chunk_is_not_fetched_better_than_an_upgrade_is_worth(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    """High, balanced and compact stored; a 0.1 Mbit/s prior makes the first chunk compact, the
+    link turns out fast. While that chunk is compact, fetching it again at balanced gains more KL
+    per byte than high gains over balanced on a new chunk: the others come at balanced. With
+    every chunk in and time left, all are fetched again at high."""
+    _, url = relay
+    three_url = url + "-three-levels"
+    chunks.save_chunked(original["llm"], three_url, levels=("high", "balanced", "compact"), chunk_tokens=C)
+    report = stream.load_streaming(loader, three_url, slo_s=60.0, prior_mbps=0.1, text_fallback=False)
+    assert [(r.upgraded_from, r.level) for r in report.records] == [("compact", "high")] + [
+        ("balanced", "high")
+    ] * (CHUNKS - 1)
+    assert report.failures == [] and math.isclose(report.expected_kl, stream.LEVEL_KL["high"])
+    assert _greedy(loader, original["prefix"])  # a complete context that generates
+
+
 def test_an_idle_cpu_computes_lossy_chunks_again_while_time_is_left(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:

@@ -624,7 +624,8 @@ class _Loader:
         elif not plan.feasible:
             reason = "fastest"
         else:
-            reason = "best" if plan.level == levels[0] else "budget"
+            level = self._capped(j, plan.level, now)
+            return level, "best" if level == levels[0] else "budget"
         return plan.level, reason
 
     # -- the link --
@@ -735,16 +736,31 @@ class _Loader:
 
     def _upgrade(self, now: float) -> None:
         """The link, free with every chunk decided and no race to run, fetches a chunk that is in
-        the buffer again at a better level, the one with the most KL gained per byte that is due
-        by _latest (the latest chunk among equals). Time the SLO leaves is spent on quality but
-        never past it, nor at a risk: the load waits for an upgrade until _latest, then drops it."""
+        the buffer again at a better level (_best_upgrade). Time the SLO leaves is spent on quality
+        but never past it, nor at a risk: the load waits for an upgrade until _latest, then drops
+        it."""
+        best = self._best_upgrade(now)
+        if best is not None:
+            self._start(best[1], best[2], now)
+
+    def _best_upgrade(self, now: float, *, coming: bool = False) -> tuple[float, int, str] | None:
+        """(KL gained per byte, chunk, level): the chunk in the buffer (`coming`: or on its way
+        there) whose fetch at a better level gains the most KL per byte and is due by _latest
+        (the latest chunk among equals); none being fetched again, nor one that the CPU computes
+        or will compute again."""
         if self.oracle is None and self._inv() is None:
-            return
+            return None
         latest = self._latest()
         best: tuple[float, int, str] | None = None
         cpu = {*self._recomputable(now), self.computing}
         for i, current in enumerate(self.plan):
-            if current in (None, TEXT) or not self.done[i] or i in self.jobs or i in self.kept or i in cpu:
+            there = self.done[i] and i not in self.jobs
+            if (
+                current in (None, TEXT)
+                or not (there or coming and not self.done[i])
+                or i in self.kept
+                or i in cpu
+            ):
                 continue
             tokens = self.ranges[i][1] - self.ranges[i][0]
             for level in self.levels[i][: self.levels[i].index(current)]:
@@ -754,8 +770,26 @@ class _Loader:
                     continue
                 if now + self._net_s(size) + self._decode_s(level, size) <= latest:
                     best = (gain, i, level)
-        if best is not None:
-            self._start(best[1], best[2], now)
+        return best
+
+    def _capped(self, j: int, level: str, now: float) -> str:
+        """`level` for a fetch of chunk j, lowered while the step from the next lower level gains
+        less KL per extra byte than the best upgrade of a chunk in the buffer (_best_upgrade): a
+        compact chunk fetched on a slow start is worth fetching again at balanced before a new
+        chunk is worth high, and the estimates that made the plan feasible may not last. (Where
+        both would fit, this costs a second fetch of the chunk; the SLO's time is spent so.)"""
+        up = self._best_upgrade(now, coming=True)
+        if up is None:
+            return level
+        levels, tokens = self.levels[j], self.ranges[j][1] - self.ranges[j][0]
+        k = levels.index(level)
+        while k + 1 < len(levels):
+            extra = self._size(j, levels[k]) - self._size(j, levels[k + 1])
+            gain = (self.kl.get(levels[k + 1], math.inf) - self.kl.get(levels[k], math.inf)) * tokens
+            if extra <= 0 or gain >= up[0] * extra:
+                break
+            k += 1
+        return levels[k]
 
     def _recomputable(self, now: float) -> list[int]:
         """The lossy chunks the CPU, free or once done with its chunk, can compute again by
@@ -869,12 +903,12 @@ class _Loader:
                 self._feed()
                 complete = all(self.done)
                 now = time.perf_counter()
-                if complete and (not self.adapt or now >= self._latest()):
+                if complete and (
+                    not self.adapt or now >= self._latest() or not self.jobs and not self._recomputable(now)
+                ):
                     return  # an upgrade still out when time is up is dropped
                 action = self._next_action(now)
                 if action is None and complete:
-                    if not self.jobs:
-                        return
                     self.cv.wait(max(0.0, min(self._wait_s(now), self._latest() - now)))
                     continue
                 if action is None:
