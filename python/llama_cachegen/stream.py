@@ -412,6 +412,7 @@ class _Loader:
         self.skeleton_job: _Job | None = None  # the skeleton's fetch, until the assembly takes it
         self.skeleton_tries = 0
         self.kept: set[int] = set()  # chunks whose upgrade failed: not tried again
+        self.recompute_failed = False  # a chunk could not be computed again: none is
         self.dropped_bytes = 0  # received by fetches given up on (not in reader.bytes_read)
         self.finished = False  # the buffer is complete: nothing more is fetched
 
@@ -786,29 +787,40 @@ class _Loader:
         while k + 1 < len(levels):
             extra = self._size(j, levels[k]) - self._size(j, levels[k + 1])
             gain = (self.kl.get(levels[k + 1], math.inf) - self.kl.get(levels[k], math.inf)) * tokens
-            if extra <= 0 or gain >= up[0] * extra:
+            if extra <= 0 or not gain < up[0] * extra:  # (an unknown level's KL: no step)
                 break
             k += 1
         return levels[k]
 
     def _recomputable(self, now: float) -> list[int]:
-        """The lossy chunks the CPU, free or once done with its chunk, can compute again by
-        _latest (exact K/V, as text): from the first chunk that is not exact on, each with every
-        chunk before it exact, and none whose fetch (an upgrade) is in flight. A model with a
-        recurrent state, whose context cannot be restored for a prefix, only where it holds the
-        chunks before them."""
-        if not (self.adapt and self.both and self.tps and all(self.done)):
+        """The lossy chunks the CPU, free or once done with the chunk it computes, can compute
+        again by _latest (exact K/V, as text; with the read-back that splices each into the
+        buffer): from the first chunk that is not exact on, each with every chunk before it
+        exact, none whose fetch (an upgrade) is in flight, and only once every chunk is in the
+        buffer (but the one the CPU computes). A model with a recurrent state, whose context cannot
+        be restored for a prefix, only where the context holds the chunks before them."""
+        busy = self.computing
+        if not (
+            self.adapt and self.both and self.tps and self.state is not None and not self.recompute_failed
+        ):
             return []
-        k = next((i for i, lv in enumerate(self.plan) if lv not in (TEXT, "lossless")), None)
-        if k is None or (self.recurrent and self.held != self.ranges[k][0]):
+        if not all(d or i == busy for i, d in enumerate(self.done)):
+            return []
+        k = next((i for i, lv in enumerate(self.plan) if lv not in (TEXT, "lossless") and i != busy), None)
+        held = self.held if busy is None else self.ranges[busy][1]
+        if k is None or (self.recurrent and held != self.ranges[k][0]):
             return []
         t, latest, out = max(now, self.cpu_free), self._latest(), []
         for i in range(k, len(self.plan)):
-            t += self._text_s(i)
+            t += self._text_s(i) + self._readback_s(i)
             if i in self.jobs or self.plan[i] == "lossless" or t > latest:
                 break
             out.append(i)
         return out
+
+    def _readback_s(self, i: int) -> float:
+        """Reading the context's state back to splice chunk i computed into the buffer."""
+        return self.ranges[i][1] * self.per_token / _RESTORE_BPS
 
     def _link_busy(self) -> bool:
         job = self.current
@@ -854,7 +866,10 @@ class _Loader:
         front = next((k for k, d in enumerate(self.done) if not d), None)
         if front is None:
             again = self._recomputable(now)
-            return ("recompute", again[0]) if again else None
+            if not again:
+                return None
+            self.computing = again[0]  # from now on, not chosen for an upgrade by the link
+            return "recompute", again[0]
         if self.plan[front] == TEXT:
             return "compute", None
         if not self.both:
@@ -1057,16 +1072,28 @@ class _Loader:
             self._compute(i, until=self._latest())
         except _Stopped:
             return
+        except CacheGenError as exc:  # optional work: the chunk stays, no more of it
+            with self.cv:
+                self._fail(i, rec.level, exc, "could not be computed again")
+                self.recompute_failed = True
+                self.held, self.computing = -1, None
+            return
         with self.cv:
             rec.upgraded_from, rec.level = rec.upgraded_from or rec.level, TEXT
             self.plan[i] = TEXT
+            job = self.jobs.pop(i, None)  # an upgrade begun before the recompute: not needed
+            if job is not None:
+                job.abandoned = True
+                if not job.done.is_set():
+                    rec.bytes += self._drop(job)
 
     def _compute(self, i: int, until: float | None = None) -> None:
         """Chunk i computed by llama.cpp on top of chunks 0..i-1 (what the context holds, else
         restored from the buffer; for a model with a recurrent state, computed again from the
         first token), in pieces of _PIECE tokens, and spliced into the buffer (once there is one:
         before the skeleton arrives, the context keeps the chunks computed so far).
-        Given up (_Stopped) as soon as a fetch of the chunk has arrived, or a piece would end
+        Given up (_Stopped) as soon as a fetch of the chunk has arrived (not with `until`: a chunk
+        computed again ignores its fetches), or when the next piece and the read-back would end
         after `until`; between pieces, a skeleton that arrived becomes the buffer and the link is
         fed."""
         rec = self.records[i]
@@ -1100,8 +1127,9 @@ class _Loader:
                     if self.tps:
                         self.cpu_free = time.perf_counter() + (e - p) / self.tps
                     job = self.jobs.get(i)
-                    arrived = job is not None and job.done.is_set() and job.error is None
-                    late = until is not None and time.perf_counter() + self._piece_s(i) > until
+                    arrived = until is None and job is not None and job.done.is_set() and job.error is None
+                    end = time.perf_counter() + self._piece_s(i) + self._readback_s(i)
+                    late = until is not None and end > until
                     if arrived or late:
                         if arrived:
                             self.plan[i] = job.level
