@@ -720,20 +720,24 @@ class _Loader:
         if not better or not self.store.cancel(job.thread.ident or 0):
             self.plan[j], self.current, self.ewma_inv = saved
             return False
-        job.abandoned = True
         del self.jobs[j]
         rec = self.records[j]
         rec.fetch_ms += job.seconds * 1e3
         rec.given_up += 1
-        rec.bytes += self._drop(job)
+        self._abandon(job)
         return True
 
-    def _drop(self, job: _Job) -> int:
-        """Bytes a fetch given up on had received (counted in the report: they took the link)."""
+    def _abandon(self, job: _Job) -> None:
+        """A fetch the load no longer wants; what it received before it ended (where the store
+        tells) is counted in its chunk's record and the report: those bytes took the link. A
+        fetch that succeeded is counted by the reader already (one ended by Store.cancel fails)."""
+        job.abandoned = True
+        if job.done.is_set() and job.error is None:
+            return
         ident = job.thread.ident or 0
         got = max(0, (self.store.received(ident) or 0) - self.reader.bytes_of(ident))
         self.dropped_bytes += got
-        return got
+        self.records[job.index].bytes += got
 
     def _upgrade(self, now: float) -> None:
         """The link, free with every chunk decided and no race to run, fetches a chunk that is in
@@ -1083,9 +1087,7 @@ class _Loader:
             self.plan[i] = TEXT
             job = self.jobs.pop(i, None)  # an upgrade begun before the recompute: not needed
             if job is not None:
-                job.abandoned = True
-                if not job.done.is_set():
-                    rec.bytes += self._drop(job)
+                self._abandon(job)
 
     def _compute(self, i: int, until: float | None = None) -> None:
         """Chunk i computed by llama.cpp on top of chunks 0..i-1 (what the context holds, else
@@ -1188,9 +1190,7 @@ class _Loader:
         with self.cv:
             self.finished = True  # no fetch starts after this (a fetch thread's _feed)
             for job in self.jobs.values():  # upgrades not in when the rest was
-                job.abandoned = True
-                if not job.done.is_set():
-                    self.records[job.index].bytes += self._drop(job)
+                self._abandon(job)
             job = self.skeleton_job
             if job is not None:  # every chunk computed first: the skeleton is not needed
                 job.abandoned = True
