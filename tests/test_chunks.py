@@ -340,12 +340,17 @@ def test_bad_manifests_are_refused(saved_small: dict[str, Any]) -> None:
     store, target, url = saved_small["store"], saved_small["target"], saved_small["url"]
     good = store.get("ctx")
     load = lambda: chunks.load_chunked(target, url)  # noqa: E731
-    overrun = b"LCGM\x01\x00\x00\x00\xff\xff\xff\xff"
-    for bad in (good[:100], overrun, good[:-4], good.replace(b'"chunk_tokens":64', b'"chunk_tokens":65')):
+    overrun = b"LCGM\x02\x00\x00\x00\xff\xff\xff\xff"
+    for bad in (good[:100], overrun, good[:-4]):
         store.put("ctx", bad)
         _refused(target, load, CorruptDataError)
-    store.put("ctx", b"LCGM\x02" + good[5:])
-    _refused(target, load, UnsupportedVersionError)
+    # one bit anywhere (the header, the token ids, the last logits, the seal): the SHA-256 says so
+    for at in (20, len(good) // 2, len(good) - 40, len(good) - 1):
+        store.put("ctx", good[:at] + bytes([good[at] ^ 0x80]) + good[at + 1 :])
+        _refused(target, load, ChecksumError, "manifest checksum")
+    for version in (b"\x01", b"\x03"):  # 1: before manifests were sealed
+        store.put("ctx", b"LCGM" + version + good[5:])
+        _refused(target, load, UnsupportedVersionError)
     tokens = saved_small["manifest"].meta.tokens.copy()
     tokens[100] += 1  # keys no longer recompute from the tokens
     forged = saved_small["manifest"]

@@ -2,20 +2,23 @@
 chunk headers, manifests): magic, u32 version, u32 header size, a JSON header, then arrays.
 
 Readers bound every size before use, parse JSON only (never pickle), and turn anything malformed
-into a CorruptDataError naming the field.
+into a CorruptDataError naming the field. Envelopes inside a container are covered by its
+checksums; one stored alone (a manifest) is sealed with its own SHA-256 (`seal`, `unseal`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from typing import Any
 
 import numpy as np
 
-from .errors import CacheGenError, CorruptDataError, TruncatedDataError
+from .errors import CacheGenError, ChecksumError, CorruptDataError, TruncatedDataError
 
 PREFIX = struct.Struct("<4sII")
+DIGEST_BYTES = 32  # a sealed envelope ends in the SHA-256 of what comes before
 MANIFEST_MAGIC = b"LCGM"  # a chunked context's manifest (chunks.Manifest)
 
 
@@ -38,6 +41,37 @@ def pack(magic: bytes, version: int, header: dict[str, Any], *arrays: np.ndarray
     return PREFIX.pack(magic, version, len(text)) + text + b"".join(a.tobytes() for a in arrays)
 
 
+def check_version(
+    data: bytes, magic: bytes, version: int, what: str, version_error: type[CacheGenError] = CorruptDataError
+) -> None:
+    """The magic and the version, before anything else is read. Another version raises
+    `version_error`."""
+    if data[:4] != magic:
+        raise CorruptDataError(f"not a llama-cachegen {what} (magic {bytes(data[:4])!r})")
+    if len(data) < PREFIX.size:
+        raise TruncatedDataError(
+            f"a llama-cachegen {what} cut short: {len(data)} bytes, its prefix alone is {PREFIX.size}"
+        )
+    _, found, _ = PREFIX.unpack_from(data)
+    if found != version:
+        raise version_error(f"{what} version {found}; this release reads {version}")
+
+
+def seal(data: bytes) -> bytes:
+    """`data` and its SHA-256."""
+    return data + hashlib.sha256(data).digest()
+
+
+def unseal(data: bytes, what: str) -> bytes:
+    """What `seal` was given; ChecksumError when the bytes changed since."""
+    if len(data) < PREFIX.size + DIGEST_BYTES:
+        raise TruncatedDataError(f"a llama-cachegen {what} cut short: {len(data)} bytes")
+    body = bytes(data[:-DIGEST_BYTES])
+    if hashlib.sha256(body).digest() != bytes(data[-DIGEST_BYTES:]):
+        raise ChecksumError(f"{what} checksum (SHA-256) mismatch: damaged in the store or on the way")
+    return body
+
+
 def unpack(
     data: bytes,
     magic: bytes,
@@ -48,15 +82,8 @@ def unpack(
 ) -> tuple[dict[str, Any], int]:
     """The JSON header and the offset of the arrays after it. Another version raises
     `version_error`; anything else malformed, CorruptDataError."""
-    if data[:4] != magic:
-        raise CorruptDataError(f"not a llama-cachegen {what} (magic {bytes(data[:4])!r})")
-    if len(data) < PREFIX.size:
-        raise TruncatedDataError(
-            f"a llama-cachegen {what} cut short: {len(data)} bytes, its prefix alone is {PREFIX.size}"
-        )
-    _, found, size = PREFIX.unpack_from(data)
-    if found != version:
-        raise version_error(f"{what} version {found}; this release reads {version}")
+    check_version(data, magic, version, what, version_error)
+    _, _, size = PREFIX.unpack_from(data)
     if size > min(max_header, len(data) - PREFIX.size):
         raise CorruptDataError(f"{what} header of {size} bytes overruns the object")
     try:

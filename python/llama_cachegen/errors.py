@@ -35,7 +35,8 @@ class TruncatedDataError(CorruptDataError):
 
 
 class ChecksumError(CorruptDataError):
-    """A CRC32C does not match: the bytes changed after encoding."""
+    """A checksum does not match (a container's CRC32C, a manifest's SHA-256): the bytes changed
+    after they were written."""
 
 
 class LimitExceededError(CorruptDataError):

@@ -1361,7 +1361,7 @@ def load_streaming(
                         lossy = chunks.worse_load(lossy, rec.begin, rec.level)
                 restore_context(llm, loader.state, target, tokens, m.meta.logits, lossy)
             else:
-                set_tokens(llm, target, tokens)
+                set_tokens(llm, target, tokens, m.meta.logits)
         except BaseException:
             loader.rollback()
             raise
