@@ -64,7 +64,7 @@ from .llama import (
 
 FORMAT_VERSION = codec.version()[1]
 KEY_DOMAIN = f"llama-cachegen chunks v{FORMAT_VERSION}\x00".encode()
-MANIFEST_VERSION = 2  # 2: sealed with its SHA-256
+MANIFEST_VERSION = 2  # 2: ends in its SHA-256
 CHUNK_META_MAGIC = b"LCGK"
 CHUNK_META_VERSION = 1
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS = 16, 4096, 256
@@ -282,7 +282,8 @@ class Manifest:
             "chunks": [{"key": c.key, "sizes": c.sizes} for c in self.chunks],
             "wholes": {lv: {"id": i, "size": s} for lv, (i, s) in self.wholes.items()},
         }
-        return envelope.seal(envelope.pack(MANIFEST_MAGIC, MANIFEST_VERSION, header) + self.meta.pack())
+        body = envelope.pack(MANIFEST_MAGIC, MANIFEST_VERSION, header) + self.meta.pack()
+        return envelope.with_digest(body)
 
     @classmethod
     def unpack(cls, data: bytes) -> Manifest:
@@ -290,7 +291,7 @@ class Manifest:
         (damaged: ChecksumError; another version: UnsupportedVersionError)."""
         what = "manifest"
         envelope.check_version(data, MANIFEST_MAGIC, MANIFEST_VERSION, what, UnsupportedVersionError)
-        data = envelope.unseal(data, what)
+        data = envelope.check_digest(data, what)
         h, offset = envelope.unpack(
             data, MANIFEST_MAGIC, MANIFEST_VERSION, _MAX_MANIFEST_HEADER, what, UnsupportedVersionError
         )

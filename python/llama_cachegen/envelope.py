@@ -3,7 +3,7 @@ chunk headers, manifests): magic, u32 version, u32 header size, a JSON header, t
 
 Readers bound every size before use, parse JSON only (never pickle), and turn anything malformed
 into a CorruptDataError naming the field. Envelopes inside a container are covered by its
-checksums; one stored alone (a manifest) is sealed with its own SHA-256 (`seal`, `unseal`).
+checksums; one stored alone (a manifest) ends in its own SHA-256 (`with_digest`, `check_digest`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from .errors import CacheGenError, ChecksumError, CorruptDataError, TruncatedDataError
 
 PREFIX = struct.Struct("<4sII")
-DIGEST_BYTES = 32  # a sealed envelope ends in the SHA-256 of what comes before
+DIGEST_BYTES = 32  # SHA-256, after an envelope stored alone
 MANIFEST_MAGIC = b"LCGM"  # a chunked context's manifest (chunks.Manifest)
 
 
@@ -57,13 +57,13 @@ def check_version(
         raise version_error(f"{what} version {found}; this release reads {version}")
 
 
-def seal(data: bytes) -> bytes:
+def with_digest(data: bytes) -> bytes:
     """`data` and its SHA-256."""
     return data + hashlib.sha256(data).digest()
 
 
-def unseal(data: bytes, what: str) -> bytes:
-    """What `seal` was given; ChecksumError when the bytes changed since."""
+def check_digest(data: bytes, what: str) -> bytes:
+    """What `with_digest` was given; ChecksumError when the bytes changed since."""
     if len(data) < PREFIX.size + DIGEST_BYTES:
         raise TruncatedDataError(f"a llama-cachegen {what} cut short: {len(data)} bytes")
     body = bytes(data[:-DIGEST_BYTES])
