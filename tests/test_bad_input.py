@@ -219,7 +219,7 @@ def _round_trips(state: bytes, tensors: int) -> None:
     assert lcg.inspect_state(state)["tensors"] == tensors
     assert lcg.decode(lcg.encode(state, "lossless")) == state
     lossy = lcg.decode(lcg.encode(state, "compact", sink_tokens=2))
-    assert len(lossy) == len(state) and lcg.inspect_state(lossy) == lcg.inspect_state(state)
+    assert len(lossy) == len(state) and codec.encode_skeleton(lossy) == codec.encode_skeleton(state)
 
 
 @pytest.mark.parametrize("v_trans", [False, True])

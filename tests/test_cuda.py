@@ -148,7 +148,7 @@ def test_anchor_delta_on_every_layout(level: str) -> None:
     for name, state in _layouts().items():
         knobs = {"transform": "anchor-delta", "anchor_tokens": 3}
         out = lcg.decode(lcg.encode(state, level, **knobs))
-        assert len(out) == len(state) and lcg.inspect_state(out) == lcg.inspect_state(state), name
+        assert len(out) == len(state) and codec.encode_skeleton(out) == codec.encode_skeleton(state), name
         assert lcg.decode(lcg.encode(state, level, threads=2, **knobs)) == out, name
 
 

@@ -213,7 +213,7 @@ def test_cli_eval_names_what_it_could_not_measure(hybrid: Path, mamba: Path) -> 
 @pytest.mark.parametrize(
     ("rate", "slo_s", "tps"), [(3e4, 0.3, 600.0), (1e5, 0.15, 1200.0), (2e5, 0.6, 300.0)]
 )
-def test_a_hybrid_streamed_over_a_slow_link_mixes_text_and_chunks_exactly(
+def test_a_hybrid_streamed_over_a_slow_link_loads_exactly(
     http_server: tuple[str, Path],
     hybrid: Path,
     source: lcg.Llama,
@@ -223,12 +223,17 @@ def test_a_hybrid_streamed_over_a_slow_link_mixes_text_and_chunks_exactly(
     tps: float,
 ) -> None:
     """A shaped link and a deadline: chunks computed from the front (racing fetches, some given up
-    midway: a recurrent state is not cut back), fetched from the back, all exact at lossless."""
+    midway: a recurrent state is not cut back), fetched from the back, all exact at lossless.
+    Which mix a case gets depends on the machine (this tiny model computes a chunk in ~1 ms: the
+    slower links' cases compute every chunk while the skeleton is late); each is exact."""
     base, _ = http_server
     url = f"{base}/{hybrid.stem}-{rate:g}/ctx"
     chunks.save_chunked(source, url, levels=("lossless",), chunk_tokens=C)
     with Relay(url) as relay:
         relay.set_trace(Trace.constant(rate))
         llm = make(hybrid)
-        stream.load_streaming(llm, f"{relay.url}", slo_s=slo_s, compute_tps=tps)
+        report = stream.load_streaming(llm, f"{relay.url}", slo_s=slo_s, compute_tps=tps)
+    k = len(report.text_chunks)
+    assert report.text_chunks == list(range(k))
+    assert all(r.level == "lossless" for r in report.records[k:])
     np.testing.assert_array_equal(continuation(llm, N), reference["all"])

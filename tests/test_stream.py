@@ -116,7 +116,7 @@ def test_fast_link_loads_every_chunk_at_the_best_level(
     report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST)
     assert [r.level for r in report.records] == ["lossless"] * CHUNKS
     assert report.text_chunks == [] and report.failures == [] and report.fallback is None
-    assert report.expected_kl == 0.0 and report.slo_met  # 60 s for 600 tokens on any machine
+    assert report.expected_kl == 0.0
     assert capture_state(loader, None) == original["state"]
     _continues(loader, original)
     d = report.to_dict()
@@ -172,6 +172,7 @@ def test_cpu_computes_from_the_front_while_the_link_fetches_from_the_back(
     levels = [rec.level for rec in report.records]
     assert set(levels) <= {"lossless", stream.TEXT} and report.expected_kl == 0.0
     k = len(report.text_chunks)
+    assert 1 <= k < CHUNKS  # the link fetches 5 lossless chunks in ~6 s: the CPU computes one at least
     assert report.text_chunks == list(range(k)) and levels[k:] == ["lossless"] * (CHUNKS - k)
     assert all(report.records[i].reason in ("parallel", "raced") for i in report.text_chunks)
     assert report.failures == [] and report.fallback is None
@@ -209,7 +210,7 @@ def test_a_fetch_stalled_by_a_drop_is_given_up_and_computed(
     assert report.text_chunks == [0, 1, 2] and report.records[2].given_up == 1
     assert report.records[2].bytes > 0  # what it received before it was given up is counted
     assert [rec.level for rec in report.records[3:]] == ["lossless", "lossless"]
-    assert report.failures == [] and report.fallback is None and report.total_ms < 30_000
+    assert report.failures == [] and report.fallback is None
     _continues(loader, original)
 
 
@@ -290,17 +291,34 @@ def test_an_upgrade_that_fails_leaves_the_chunk_as_it_was(
 def test_link_too_slow_for_the_skeleton_computes_every_chunk(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:
-    """2 kB/s (the manifest given): the skeleton (~13 kB) would take seconds. The CPU starts on
+    """200 B/s (the manifest given): the skeleton (~13 kB) would take a minute. The CPU starts on
     the first chunk as soon as the skeleton is late and computes them all without it."""
     r, url = relay
     manifest = _manifest_bytes(url)
-    r.set_trace(Trace.constant(2000.0))
+    r.set_trace(Trace.constant(200.0))
     report = stream.load_streaming(loader, url, slo_s=60.0, manifest=manifest)
     assert report.text_chunks == list(range(CHUNKS))
     assert all(rec.reason == "parallel" and rec.compute_ms > 0 for rec in report.records)
     assert report.fallback is not None and "skeleton did not arrive" in report.fallback
     assert report.state_bytes == 0 and report.expected_kl == 0.0
     _continues(loader, original)
+
+
+def test_a_load_without_its_skeleton_keeps_the_last_logits(tmp_path: Path, gpl_tokens: list[int]) -> None:
+    """The skeleton is missing from the store: every chunk is computed from text, and
+    llama-cpp-python's last logits are the saved ones, as after any other load (a sweep found
+    them left as zeros, for code that reads `scores` without evaluating again)."""
+    n = 200
+    saver, target = _llama(logits_all=True), _llama(logits_all=True)
+    saver.eval(gpl_tokens[:n])
+    url = f"{tmp_path.as_uri()}/ctx"
+    chunks.save_chunked(saver, url, levels=("lossless",), chunk_tokens=64)
+    with stores.open_store(tmp_path.as_uri()) as store:
+        assert store.delete(_skeleton_key(url))
+    report = stream.load_streaming(target, url, slo_s=60.0)
+    assert report.text_chunks == [0, 1, 2, 3] and "skeleton could not be fetched" in (report.fallback or "")
+    assert target.n_tokens == n and np.array_equal(target.input_ids[:n], saver.input_ids[:n])
+    np.testing.assert_array_equal(target.scores[n - 1], saver.scores[n - 1])
 
 
 def test_streaming_into_another_sequence_computes_there(
@@ -331,17 +349,20 @@ def test_streaming_into_another_sequence_computes_there(
 def test_chunks_computed_before_a_late_skeleton_join_the_buffer(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:
-    """The link crawls (3 kB/s) for 1.5 s, then is fast (the manifest given): the chunks the CPU
-    computed meanwhile are spliced into the buffer built from the skeleton, the rest fetched."""
+    """The link crawls (300 B/s: the skeleton, ~13 kB, would take 40 s; the manifest given) until
+    the CPU has computed the first chunk, then is fast: the chunks the CPU computed meanwhile are
+    spliced into the buffer built from the skeleton, the rest fetched."""
     r, url = relay
     manifest = _manifest_bytes(url)
-    r.set_trace(Trace.steps([(1.5, 3000.0), (math.inf, 1e9)]))
-    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST, manifest=manifest)
+    r.set_trace(Trace.constant(300.0))
+    fast = _at_chunk(0, lambda: r.set_trace(Trace.constant(math.inf)))
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST, manifest=manifest, progress=fast)
     k = len(report.text_chunks)
     assert 1 <= k < CHUNKS and report.text_chunks == list(range(k))
     assert all(report.records[i].reason in ("parallel", "raced") for i in range(k))
     assert all(rec.level == "lossless" for rec in report.records[k:])
-    assert report.skeleton_ms > 1000 and report.fallback is None and report.failures == []
+    assert report.skeleton_ms > report.records[0].compute_ms  # it arrived after chunk 0 was computed
+    assert report.fallback is None and report.failures == []
     _continues(loader, original)
 
 
@@ -392,8 +413,11 @@ def test_a_read_in_flight_reports_its_progress_and_can_be_cancelled(relay: tuple
     key = _skeleton_key(url)
     r.set_trace(Trace.constant(4000.0))  # 4 kB/s: the skeleton (~13 kB) would take ~3 s
     store, reader, errors = _read_in_thread(url, key)
-    time.sleep(1.0)
-    assert reader.ident is not None and 1000 < (store.received(reader.ident) or 0) < 12_000
+    deadline = time.monotonic() + 30.0
+    while reader.ident is None or (store.received(reader.ident) or 0) <= 1000:
+        assert time.monotonic() < deadline, "the read received nothing"
+        time.sleep(0.02)
+    assert (store.received(reader.ident) or 0) < 12_000  # counted as it goes, before the end
     assert store.cancel(reader.ident)
     reader.join(5.0)
     assert not reader.is_alive() and len(errors) == 1 and isinstance(errors[0], StoreError)
