@@ -81,6 +81,36 @@ def gpl_tokens(model_path: Path) -> list[int]:
     return llm.tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)
 
 
+def smollm(n_ctx: int = 512, threads: int = 2, **kwargs: Any) -> Any:
+    """A quiet llama_cachegen.Llama on the bundled SmolLM2, llama.cpp on `threads` threads."""
+    from llama_cachegen.llama import Llama
+
+    params = dict(n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    return Llama(str(default_model_path()), **(params | kwargs))
+
+
+def greedy(llm: Any, prompt: Sequence[int], max_tokens: int = 8) -> str:
+    """The greedy completion of `prompt`."""
+    return llm.create_completion(list(prompt), max_tokens=max_tokens, temperature=0.0)["choices"][0]["text"]
+
+
+def chunk_objects(cache: Any) -> dict[str, bytes]:
+    """Every chunk object of a CompressedStateCache's store, by key."""
+    from llama_cachegen.chunks import PREFIX
+
+    return {i.key: cache.store.get(i.key) for i in cache.store.list(f"{PREFIX}chunks/")}
+
+
+# A writer that dies in the middle of writing `key` to the file store at argv[1]: argv[3] bytes
+# written, the temporary left behind.
+DEAD_WRITER = """
+import os, sys
+from llama_cachegen.stores.file import FileStore
+FileStore(sys.argv[1]).begin_write(sys.argv[2]).write(b"x" * int(sys.argv[3]))
+os._exit(0)
+"""
+
+
 def multi_seq_llama(model_path: Path, n_seq_max: int, unified: bool, **kwargs: Any) -> Any:
     """A context with several sequences: one shared stream (unified) or one stream per sequence."""
     from llama_cpp import _internals

@@ -13,12 +13,12 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
+from conftest import DEAD_WRITER, chunk_objects, smollm
 from llama_cachegen import codec
 from llama_cachegen.cache import CompressedStateCache
 from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import InvalidArgumentError
-from llama_cachegen.llama import Llama
-from llama_cachegen.model import default_model_path, sample_text
+from llama_cachegen.model import sample_text
 
 C = 16  # small chunks keep the contexts short
 
@@ -32,25 +32,16 @@ print(llm.create_completion(sys.argv[2], max_tokens=4, temperature=0.0)["choices
 """
 
 
-def _llama(**kwargs: object) -> Llama:
-    params: dict[str, object] = {"n_ctx": 512, "n_threads": 2, "n_threads_batch": 2, "verbose": False}
-    return Llama(str(default_model_path()), **{**params, **kwargs})
-
-
-def _chunk_objects(cache: CompressedStateCache) -> dict[str, bytes]:
-    return {i.key: cache.store.get(i.key) for i in cache.store.list(f"{PREFIX}chunks/")}
-
-
 def test_two_processes_share_one_directory(tmp_path: Path) -> None:
     store = tmp_path.as_uri()
     prompt = sample_text("gpl-3.0.txt")[:500]
     subprocess.run(
         [sys.executable, "-c", _PROCESS_A, store, prompt], check=True, capture_output=True, timeout=300
     )
-    llm = _llama()
+    llm = smollm()
     cache = CompressedStateCache(store, level="lossless", chunk_tokens=C)
     llm.set_cache(cache)
-    assert _chunk_objects(cache) and cache.cache_size > 0
+    assert chunk_objects(cache) and cache.cache_size > 0
     question = prompt + " What is this text about?"
     llama_cpp.llama_perf_context_reset(llm.ctx)
     text = llm.create_completion(question, max_tokens=6, temperature=0.0)["choices"][0]["text"]
@@ -69,13 +60,13 @@ def test_hit_extend_save_cycles_never_encode_decoded_kv_again(tmp_path: Path) ->
     """Issue 7's generation loss: 20 hit-extend-save cycles at a lossy level. The chunks of the
     first context are never rewritten, so the restored prefix stays its first encoding, bit for bit
     (before, every save re-quantized it: KL 5x after 64 cycles)."""
-    llm = _llama()
+    llm = smollm()
     cache = CompressedStateCache(tmp_path, level="balanced", chunk_tokens=C)
     llm.set_cache(cache)
     words = sample_text("gfdl-1.3.txt").split()
     prompt = " ".join(words[:40])
     llm.create_completion(prompt, max_tokens=1, temperature=0.0)
-    first = _chunk_objects(cache)
+    first = chunk_objects(cache)
     tokens = llm.tokenize(prompt.encode())
     prefix = tokens[: len(tokens) // C * C]
     restored = cache[prefix].llama_state
@@ -84,7 +75,7 @@ def test_hit_extend_save_cycles_never_encode_decoded_kv_again(tmp_path: Path) ->
         llm.reset()  # the prefix comes from the cache, decoded, every time
         llm.create_completion(prompt, max_tokens=1, temperature=0.0)
     assert cache.hits == 21
-    now = _chunk_objects(cache)
+    now = chunk_objects(cache)
     assert {k: now[k] for k in first} == first  # the first context's chunks were never written again
     assert len(now) > len(first)  # the extensions were stored
     assert cache[prefix].llama_state == restored
@@ -93,7 +84,7 @@ def test_hit_extend_save_cycles_never_encode_decoded_kv_again(tmp_path: Path) ->
 @pytest.fixture(scope="module")
 def states() -> list[llama_cpp.llama.LlamaState]:
     """Five contexts of 2 complete chunks each, differing from their first token."""
-    llm = _llama()
+    llm = smollm()
     words = sample_text("gpl-3.0.txt").split()
     out = []
     for i in range(5):
@@ -111,7 +102,7 @@ def _room_for_three_and_a_half(
     tmp_path: Path, state: llama_cpp.llama.LlamaState
 ) -> tuple[CompressedStateCache, int]:
     """A cache in tmp_path/c with room for 3.5 contexts like `state`, and one context's bytes."""
-    llm = _llama()
+    llm = smollm()
     probe = CompressedStateCache(tmp_path / "probe", level="lossless", chunk_tokens=C, model=llm)
     probe[_tokens(state)] = state
     entry = probe.cache_size
@@ -125,17 +116,17 @@ def test_kv_loaded_at_a_worse_level_is_not_cached_at_a_better_one(tmp_path: Path
     """A context loaded at balanced, then given a lossless prompt cache: its K/V stored as the
     lossless chunks of its tokens would pass for exact (llama.lossy_level_anywhere). A balanced
     cache stores it as before."""
-    llm = _llama()
+    llm = smollm()
     prompt = " ".join(sample_text("gfdl-1.3.txt").split()[:60])
     llm.eval(llm.tokenize(prompt.encode()))
     llm.save_compressed_state(tmp_path / "ctx.lcg", level="balanced")
-    other = _llama()
+    other = smollm()
     other.load_compressed_state(tmp_path / "ctx.lcg")
     for level, stored in (("lossless", False), ("balanced", True)):
         cache = CompressedStateCache(tmp_path / level, level=level, chunk_tokens=C)
         other.set_cache(cache)
         other.create_completion(prompt + " and", max_tokens=1, temperature=0.0)
-        assert bool(_chunk_objects(cache)) == stored, level
+        assert bool(chunk_objects(cache)) == stored, level
 
 
 def test_a_store_that_fails_never_fails_the_completion(tmp_path: Path) -> None:
@@ -144,8 +135,8 @@ def test_a_store_that_fails_never_fails_the_completion(tmp_path: Path) -> None:
     from llama_cachegen.server import free_port
 
     prompt = " ".join(sample_text("gfdl-1.3.txt").split()[:40])
-    plain = _llama().create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"]
-    llm = _llama()
+    plain = smollm().create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"]
+    llm = smollm()
     cache = CompressedStateCache(f"redis://127.0.0.1:{free_port()}/0", level="balanced", chunk_tokens=C)
     llm.set_cache(cache)
     assert llm.create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"] == plain
@@ -178,7 +169,7 @@ def test_a_cache_smaller_than_a_prompt_keeps_its_first_chunks(
     """Room for less than one context: eviction takes the chain's last chunk first (its first ones
     are marked the most recent), so the context's first chunk still hits; losing that one instead
     would leave a tail no prompt can use."""
-    llm = _llama()
+    llm = smollm()
     probe = CompressedStateCache(tmp_path / "probe", level="lossless", chunk_tokens=C, model=llm)
     tokens = _tokens(states[0])
     probe[tokens] = states[0]
@@ -222,7 +213,7 @@ def test_killed_writers_leave_no_torn_object(tmp_path: Path) -> None:
     for w in writers:
         os.kill(w.pid, signal.SIGKILL)
         w.wait()
-    llm = _llama()
+    llm = smollm()
     cache = CompressedStateCache(tmp_path.as_uri(), level="lossless", chunk_tokens=C, model=llm)
     for info in cache.store.list(PREFIX):
         codec.inspect(cache.store.get(info.key))  # every object is a whole container: checksums hold
@@ -241,22 +232,13 @@ def test_cache_needs_its_model_and_keys_embed_the_fingerprint(
     unbound = CompressedStateCache(tmp_path, chunk_tokens=C)
     with pytest.raises(InvalidArgumentError, match="model"):
         unbound[_tokens(states[0])] = states[0]
-    bound = CompressedStateCache(tmp_path, chunk_tokens=C, model=_llama())
+    bound = CompressedStateCache(tmp_path, chunk_tokens=C, model=smollm())
     bound[_tokens(states[0])] = states[0]
     assert [*_tokens(states[0]), 7] in bound
-    other = CompressedStateCache(tmp_path, chunk_tokens=C, model=_llama(flash_attn=True))
+    other = CompressedStateCache(tmp_path, chunk_tokens=C, model=smollm(flash_attn=True))
     assert _tokens(states[0]) not in other and other.namespace != bound.namespace
     with pytest.raises(KeyError):
         other[_tokens(states[0])]
-
-
-_DEAD_WRITER = """
-import os, sys
-from llama_cachegen.chunks import PREFIX
-from llama_cachegen.stores.file import FileStore
-FileStore(sys.argv[1]).begin_write(PREFIX + "chunks/killed").write(b"x" * int(sys.argv[2]))
-os._exit(0)  # dies mid-write: the temporary stays
-"""
 
 
 def test_partial_writes_count_against_capacity_and_dead_ones_go_at_once(
@@ -264,7 +246,9 @@ def test_partial_writes_count_against_capacity_and_dead_ones_go_at_once(
 ) -> None:
     cache, entry = _room_for_three_and_a_half(tmp_path, states[0])
     subprocess.run(
-        [sys.executable, "-c", _DEAD_WRITER, str(tmp_path / "c"), str(entry)], check=True, timeout=60
+        [sys.executable, "-c", DEAD_WRITER, str(tmp_path / "c"), f"{PREFIX}chunks/killed", str(entry)],
+        check=True,
+        timeout=60,
     )
     live = cache.store.begin_write(f"{PREFIX}chunks/in-progress")  # a writer still at work (this process)
     live.write(b"x" * entry)
@@ -283,7 +267,7 @@ def test_partial_writes_count_against_capacity_and_dead_ones_go_at_once(
 
 
 def test_a_damaged_chunk_is_a_miss_and_goes(tmp_path: Path, states: list[llama_cpp.llama.LlamaState]) -> None:
-    cache = CompressedStateCache(tmp_path, level="balanced", chunk_tokens=C, model=_llama())
+    cache = CompressedStateCache(tmp_path, level="balanced", chunk_tokens=C, model=smollm())
     cache[_tokens(states[1])] = states[1]
     (key, *_) = sorted(i.key for i in cache.store.list(f"{PREFIX}chunks/"))
     blob = bytearray(cache.store.get(key))

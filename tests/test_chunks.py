@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import greedy, smollm
 from llama_cachegen import chunks, codec, envelope, stores
 from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import (
@@ -22,21 +24,12 @@ from llama_cachegen.errors import (
     UnsupportedVersionError,
 )
 from llama_cachegen.llama import Llama, capture_state, model_fingerprint, restore_state
-from llama_cachegen.model import default_model_path, sample_text
+from llama_cachegen.model import sample_text
 from llama_cachegen.quality import compare_logits
 
 N, CONT = 1030, 16  # N is divisible by none of the chunk sizes below
+_llama = partial(smollm, n_ctx=1100)
 LEVELS = ("lossless", "balanced")
-
-
-def _llama(**kwargs: Any) -> Llama:
-    params: dict[str, Any] = {"n_ctx": 1100, "n_threads": 2, "n_threads_batch": 2, "verbose": False}
-    params.update(kwargs)
-    return Llama(str(default_model_path()), **params)
-
-
-def _greedy(llm: Llama, prompt: list[int]) -> str:
-    return llm.create_completion(prompt, max_tokens=8, temperature=0.0)["choices"][0]["text"]
 
 
 def _set(llm: Llama, state: bytes | bytearray, tokens: list[int]) -> None:
@@ -75,7 +68,7 @@ def original(gpl_tokens: list[int], tmp_path_factory: pytest.TempPathFactory) ->
     llm.eval(cont)
     cont_rows = llm.scores[N : N + CONT].copy()  # row i: after cont[i]
     llm.n_tokens = N
-    greedy = _greedy(llm, prefix)
+    answer = greedy(llm, prefix)
     return {
         "root": root,
         "prefix": prefix,
@@ -83,7 +76,7 @@ def original(gpl_tokens: list[int], tmp_path_factory: pytest.TempPathFactory) ->
         "state": state,
         "last_row": last_row,
         "cont_rows": cont_rows,
-        "greedy": greedy,
+        "greedy": answer,
         "reports": reports,
     }
 
@@ -115,7 +108,7 @@ def test_lossless_rebuild_is_byte_identical_and_continues(
     loader.eval(original["cont"])
     np.testing.assert_array_equal(loader.scores[N : N + CONT], original["cont_rows"])
     loader.n_tokens = N
-    assert _greedy(loader, original["prefix"]) == original["greedy"]
+    assert greedy(loader, original["prefix"]) == original["greedy"]
 
 
 def test_lossy_level_loads_when_asked(original: dict[str, Any], loader: Llama) -> None:
@@ -197,7 +190,7 @@ def test_mixed_assembly_of_decoded_and_computed_chunks(original: dict[str, Any],
     metrics = compare_logits(original["cont_rows"], loader.scores[N : N + CONT], original["cont"])
     assert metrics["kl"] < 1e-3 and metrics["top1"] == 1.0, metrics
     loader.n_tokens = N
-    assert _greedy(loader, prefix) == original["greedy"]
+    assert greedy(loader, prefix) == original["greedy"]
 
 
 # ---- prefix sharing on every store --------------------------------------------------------------
@@ -333,7 +326,7 @@ def test_bad_chunks_are_refused_and_leave_the_context(saved_small: dict[str, Any
     store.put(stats_key, stats)
 
     chunks.load_chunked(target, url)  # all repaired: it loads, and the context works
-    assert target.n_tokens == 230 and _greedy(target, target.input_ids[:230].tolist())
+    assert target.n_tokens == 230 and greedy(target, target.input_ids[:230].tolist())
 
 
 def test_bad_manifests_are_refused(saved_small: dict[str, Any]) -> None:

@@ -13,20 +13,18 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import multi_seq_llama
+from conftest import chunk_objects, multi_seq_llama, smollm
 from llama_cachegen import codec
 from llama_cachegen.cache import CompressedStateCache
 from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import AuthenticationError, CorruptDataError, ModelMismatchError
 from llama_cachegen.llama import (
     ENVELOPE_MAGIC,
-    Llama,
     StateMeta,
     load_compressed_state,
     model_fingerprint,
     save_compressed_state,
 )
-from llama_cachegen.model import default_model_path
 from llama_cachegen.stores import KEY_ENV, write_url
 
 PROMPT = "The capital of France is"  # SmolLM2: " Paris."
@@ -37,11 +35,6 @@ LONG_PROMPT, LONG_OTHER = LONG.format("France", "France"), LONG.format("Japan", 
 C = 16
 
 
-def _llama(**kwargs: Any) -> Llama:
-    params: dict[str, Any] = {"n_ctx": 512, "n_threads": 2, "n_threads_batch": 2, "verbose": False}
-    return Llama(str(default_model_path()), **{**params, **kwargs})
-
-
 def _answer(llm: llama_cpp.Llama, prompt: str) -> str:
     return llm.create_completion(prompt, max_tokens=6, temperature=0.0)["choices"][0]["text"]
 
@@ -49,7 +42,7 @@ def _answer(llm: llama_cpp.Llama, prompt: str) -> str:
 @pytest.fixture(scope="module")
 def reference() -> dict[str, str]:
     """Answers of a context without any cache."""
-    llm = _llama()
+    llm = smollm()
     return {p: _answer(llm, p) for p in (PROMPT, OTHER, LONG_PROMPT)}
 
 
@@ -74,7 +67,7 @@ def test_processes_differing_only_in_flash_attention_share_no_entry(
         capture_output=True,
         timeout=300,
     )
-    llm = _llama()
+    llm = smollm()
     cache = CompressedStateCache(tmp_path.as_uri(), level="lossless", chunk_tokens=C)
     llm.set_cache(cache)
     for _ in range(2):
@@ -85,23 +78,19 @@ def test_processes_differing_only_in_flash_attention_share_no_entry(
     assert len(cache.store.list(f"{PREFIX}skeletons/")) == 2  # one per fingerprint: nothing shared
 
 
-def _chunk_objects(cache: CompressedStateCache) -> dict[str, bytes]:
-    return {i.key: cache.store.get(i.key) for i in cache.store.list(f"{PREFIX}chunks/")}
-
-
 def test_chunks_llama_cpp_refuses_are_dropped_as_a_miss(tmp_path: Path, reference: dict[str, str]) -> None:
     """A flash-attention state filed under this context's fingerprint (no key: any writer can):
     llama.cpp refuses it, its chunks go, the completion is a miss and is right."""
-    flash = _llama(flash_attn=True)
+    flash = smollm(flash_attn=True)
     flash.eval(flash.tokenize(LONG_PROMPT.encode()))
-    llm = _llama()
+    llm = smollm()
     cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)
     cache[[]] = flash.save_state()
-    forged = _chunk_objects(cache)
+    forged = chunk_objects(cache)
     llm.set_cache(cache)
     assert _answer(llm, LONG_PROMPT) == reference[LONG_PROMPT]
     assert (cache.hits, cache.misses) == (0, 1)
-    honest = _chunk_objects(cache)  # the completion filed its own chunks under the same keys
+    honest = chunk_objects(cache)  # the completion filed its own chunks under the same keys
     assert honest.keys() == forged.keys() and all(honest[k] != forged[k] for k in forged)
     llm.reset()
     assert _answer(llm, LONG_PROMPT) == reference[LONG_PROMPT]
@@ -113,7 +102,7 @@ def test_poisoned_chunks_are_refused_with_a_key(
 ) -> None:
     """The issue's poisoning: the state of the Japan prompt filed under the France prompt's
     tokens. With a key, the reader refuses the forger's chunks and answers from the prompt."""
-    llm = _llama()
+    llm = smollm()
     japan = llm.tokenize(LONG_OTHER.encode())
     france = llm.tokenize(LONG_PROMPT.encode())
     assert len(japan) == len(france) > C
@@ -125,7 +114,7 @@ def test_poisoned_chunks_are_refused_with_a_key(
     forger[france] = poisoned
     assert france in forger  # without a key, a reader would take it
     monkeypatch.setenv(KEY_ENV, "shared secret")
-    victim = _llama()
+    victim = smollm()
     cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C)
     victim.set_cache(cache)
     assert cache.namespace == forger.namespace
@@ -137,14 +126,14 @@ def test_poisoned_chunks_are_refused_with_a_key(
 def test_load_with_a_key_refuses_a_forged_file_before_touching_the_context(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llm = _llama()
+    llm = smollm()
     llm.eval(llm.tokenize(OTHER.encode()))
     forged = save_compressed_state(llm, level="lossless")
     write_url(tmp_path / "state.lcg", forged, auth_key="")  # written without the key
     save_compressed_state(llm, tmp_path / "honest.lcg", level="lossless")  # no key yet: untagged too
     monkeypatch.setenv(KEY_ENV, "shared secret")
     save_compressed_state(llm, tmp_path / "tagged.lcg", level="lossless")
-    target = _llama()
+    target = smollm()
     target.eval(target.tokenize(PROMPT.encode()))
     before = _python_side(target)
     for name in ("state.lcg", "honest.lcg"):
@@ -177,10 +166,10 @@ def _assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
 
 
 def test_refused_loads_leave_the_llama_object_exactly_as_it_was() -> None:
-    flash = _llama(flash_attn=True, logits_all=True)
+    flash = smollm(flash_attn=True, logits_all=True)
     flash.eval(flash.tokenize(OTHER.encode()))
     blob = save_compressed_state(flash, level="lossless")
-    llm = _llama(logits_all=True)
+    llm = smollm(logits_all=True)
     llm.eval(llm.tokenize(PROMPT.encode()))
     before = _python_side(llm)
     with pytest.raises(ModelMismatchError, match="flash_attn: saved 'enabled', this context 'disabled'"):
@@ -196,12 +185,12 @@ def test_refused_loads_leave_the_llama_object_exactly_as_it_was() -> None:
 
 
 def test_fingerprint_covers_the_kv_layout(model_path: Path) -> None:
-    base = model_fingerprint(_llama())
+    base = model_fingerprint(smollm())
     assert base["flash_attn"] == "disabled" and base["n_stream"] == 1
     assert base["swa_full"] is None  # SmolLM2 has no sliding-window layers
     assert "llama-cpp-python 0.3.36" in base["state_format"] and "seq v3" in base["state_format"]
-    assert model_fingerprint(_llama(flash_attn=True))["flash_attn"] == "enabled"
-    assert model_fingerprint(_llama(type_v=llama_cpp.GGML_TYPE_Q8_0, flash_attn=True))["type_v"] == "q8_0"
+    assert model_fingerprint(smollm(flash_attn=True))["flash_attn"] == "enabled"
+    assert model_fingerprint(smollm(type_v=llama_cpp.GGML_TYPE_Q8_0, flash_attn=True))["type_v"] == "q8_0"
     streams = model_fingerprint(multi_seq_llama(model_path, 3, unified=False, n_ctx=256, logits_all=False))
     unified = model_fingerprint(multi_seq_llama(model_path, 3, unified=True, n_ctx=256, logits_all=False))
     assert streams["n_stream"] == 3 and unified["n_stream"] == 1
@@ -257,7 +246,7 @@ def test_every_malformed_envelope_is_corrupt_data(name: str) -> None:
 
 
 def test_malformed_envelopes_reach_neither_the_context_nor_the_cache(tmp_path: Path) -> None:
-    llm = _llama()
+    llm = smollm()
     llm.eval(llm.tokenize(LONG_PROMPT.encode()))
     state = codec.decode(save_compressed_state(llm, level="lossless"))
     cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)
@@ -267,8 +256,8 @@ def test_malformed_envelopes_reach_neither_the_context_nor_the_cache(tmp_path: P
         with pytest.raises(CorruptDataError):
             load_compressed_state(llm, blob)
         cache[tokens] = llm.save_state()
-        (key,) = _chunk_objects(cache)
+        (key,) = chunk_objects(cache)
         cache.store.put(key, blob)  # a container with a malformed header where a chunk should be
         with pytest.raises(KeyError, match="unusable"):
             cache[tokens]
-        assert not _chunk_objects(cache)  # dropped
+        assert not chunk_objects(cache)  # dropped

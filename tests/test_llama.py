@@ -11,6 +11,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
+from conftest import smollm
 from llama_cachegen import codec
 from llama_cachegen.errors import CorruptDataError, InvalidArgumentError, ModelMismatchError
 from llama_cachegen.llama import (
@@ -22,7 +23,7 @@ from llama_cachegen.llama import (
     restore_state,
     save_compressed_state,
 )
-from llama_cachegen.model import default_model_path, sample_text
+from llama_cachegen.model import sample_text
 from llama_cachegen.quality import compare_logits
 
 PREFIX, CONT = 128, 32
@@ -30,12 +31,6 @@ LEVELS = ("lossless", "high", "balanced", "compact")
 # Teacher-forced quality over CONT tokens after a reload, vs the untouched state.
 BOUNDS = {"high": (0.02, 0.90), "balanced": (0.05, 0.85), "compact": (0.15, 0.70)}  # (max KL, min top-1)
 QUESTION = b"\n\nQuestion: What is the name of this license?\nAnswer:"
-
-
-def _llama(**kwargs: Any) -> Llama:
-    params: dict[str, Any] = {"n_ctx": 512, "n_threads": 2, "n_threads_batch": 2, "verbose": False}
-    params.update(kwargs)
-    return Llama(str(default_model_path()), **params)
 
 
 def _seq_bytes(llm: llama_cpp.Llama, seq_id: int) -> bytes:
@@ -58,7 +53,7 @@ def _without_seq_ids(state: bytes) -> bytes:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One prefill saved at every level, with the reference continuation and greedy answer."""
     out = tmp_path_factory.mktemp("saved")
-    llm = _llama(logits_all=True)
+    llm = smollm(logits_all=True)
     tokens = llm.tokenize(sample_text("gpl-3.0.txt").encode())
     prefix, cont = tokens[:PREFIX], tokens[PREFIX : PREFIX + CONT]
     llm.eval(prefix)
@@ -133,7 +128,7 @@ def test_lossy_levels_within_bounds_in_another_process(
 
 
 def test_sequence_save_load_between_seq_ids_leaves_others_untouched() -> None:
-    llm = _llama(n_seq_max=3)
+    llm = smollm(n_seq_max=3)
     tokens = llm.tokenize(sample_text("gfdl-1.3.txt").encode())
     llm.eval(tokens[:48])
     blob_a = save_compressed_state(llm, seq_id=0, level="lossless")
@@ -174,13 +169,13 @@ def source_blob(saved: dict[str, Any]) -> bytes:
 
 @pytest.fixture(scope="module")
 def target() -> Llama:
-    llm = _llama()
+    llm = smollm()
     llm.eval(llm.tokenize(b"An unrelated context that must survive a failed load."))
     return llm
 
 
 def test_other_kv_type_q8_0_is_refused(source_blob: bytes) -> None:
-    llm = _llama(type_k=llama_cpp.GGML_TYPE_Q8_0)
+    llm = smollm(type_k=llama_cpp.GGML_TYPE_Q8_0)
     llm.eval(llm.tokenize(b"Some other context."))
     _assert_mismatch_leaves_context(
         llm, source_blob, ModelMismatchError, "type_k: saved 'f16', this context 'q8_0'"
@@ -188,7 +183,7 @@ def test_other_kv_type_q8_0_is_refused(source_blob: bytes) -> None:
 
 
 def test_other_kv_type_bf16_is_refused_by_name(source_blob: bytes) -> None:
-    llm = _llama(type_k=30, type_v=30)  # bf16: llama_cpp has no constant for it
+    llm = smollm(type_k=30, type_v=30)  # bf16: llama_cpp has no constant for it
     llm.eval(llm.tokenize(b"Some other context."))
     _assert_mismatch_leaves_context(
         llm, source_blob, ModelMismatchError, "type_k: saved 'f16', this context 'bf16'"
@@ -196,7 +191,7 @@ def test_other_kv_type_bf16_is_refused_by_name(source_blob: bytes) -> None:
 
 
 def test_too_small_n_ctx_is_refused(source_blob: bytes) -> None:
-    llm = _llama(n_ctx=64)
+    llm = smollm(n_ctx=64)
     llm.eval(llm.tokenize(b"Tiny."))
     _assert_mismatch_leaves_context(llm, source_blob, ModelMismatchError, "context too small.*n_ctx 64")
 
@@ -219,7 +214,7 @@ def test_corrupted_file_is_refused(target: Llama, source_blob: bytes) -> None:
 def test_llama_cpp_refusal_puts_the_context_back(source_blob: bytes) -> None:
     """Flash attention stores V untransposed: with the fingerprint forged to match (the real one
     names flash_attn), llama.cpp itself refuses."""
-    llm = _llama(flash_attn=True)
+    llm = smollm(flash_attn=True)
     llm.eval(llm.tokenize(b"A flash attention context."))
     _assert_mismatch_leaves_context(llm, source_blob, ModelMismatchError, "flash_attn: saved 'disabled'")
     meta = StateMeta.unpack(codec.user_meta(source_blob))
@@ -233,7 +228,7 @@ def test_more_token_ids_than_positions_are_refused_on_save_and_load(tmp_path: Pa
     written (whole or chunked), and a stored object claiming more is refused on load with the
     context untouched: from its container (one sequence, or an empty one) or once llama.cpp holds
     it (two sequences). Fewer are fine: llama-cpp-python's next eval drops the positions past them."""
-    llm = _llama(n_seq_max=2)
+    llm = smollm(n_seq_max=2)
     tokens = llm.tokenize(sample_text("gpl-3.0.txt").encode())[:300]
     llm.eval(tokens[:100])
     for dest, level in ((tmp_path / "whole.lcg", "lossless"), (tmp_path / "chunked", None)):
@@ -242,11 +237,11 @@ def test_more_token_ids_than_positions_are_refused_on_save_and_load(tmp_path: Pa
     with pytest.raises(InvalidArgumentError, match="holds 0 positions \\(sequence 1\\) but 200 token ids"):
         llm.save_compressed_state(tmp_path / "seq1.lcg", level="lossless", seq_id=1, tokens=tokens[:200])
     assert not any(tmp_path.iterdir())
-    other = _llama()
+    other = smollm()
     fewer = save_compressed_state(llm, level="lossless", tokens=tokens[:60])
     assert load_compressed_state(other, fewer).tokens == 60 and other.n_tokens == 60
     completion = other.create_completion(tokens[:70], max_tokens=4, temperature=0.0)["choices"][0]["text"]
-    fresh = _llama().create_completion(tokens[:70], max_tokens=4, temperature=0.0)["choices"][0]["text"]
+    fresh = smollm().create_completion(tokens[:70], max_tokens=4, temperature=0.0)["choices"][0]["text"]
     assert completion == fresh  # positions 60..99 of the state were replaced, not kept
 
     def forged(seq_id: int | None, claimed: int) -> bytes:
@@ -261,7 +256,7 @@ def test_more_token_ids_than_positions_are_refused_on_save_and_load(tmp_path: Pa
     assert restore_state(llm, capture_state(llm, 0), 1)  # positions 0..99 twice, in other cells
     cases.append((forged(None, 300), 100, 300))  # two sequences: told once llama.cpp holds the state
     assert not codec.inspect(cases[-1][0])["chunkable"]
-    target = _llama(n_seq_max=2)
+    target = smollm(n_seq_max=2)
     target.eval(target.tokenize(b"An unrelated context that must survive a failed load."))
     for blob, held, claimed in cases:
         message = f"holds {held} positions but its token list has {claimed} ids"
@@ -271,7 +266,7 @@ def test_more_token_ids_than_positions_are_refused_on_save_and_load(tmp_path: Pa
 def test_an_empty_state_loads_as_empty() -> None:
     """llama.cpp restores nothing from a state without cells: loading one (a sequence, or the whole
     context) must still leave the target empty, not holding what it held before."""
-    llm = _llama(n_seq_max=2)
+    llm = smollm(n_seq_max=2)
     empty_seq = save_compressed_state(llm, level="lossless", seq_id=1)
     empty_all = save_compressed_state(llm, level="lossless")
     tokens = llm.tokenize(b"Some context that the loads below must replace.")
@@ -289,13 +284,13 @@ def test_an_empty_state_loads_as_empty() -> None:
 def test_anchor_delta_save_loads_and_continues(saved: dict[str, Any], tmp_path: Path) -> None:
     """A whole container with the anchor/delta transform loads through load_compressed_state and
     continues the text within balanced's bounds; chunked saves refuse the transform."""
-    llm = _llama(logits_all=True)
+    llm = smollm(logits_all=True)
     llm.eval(saved["prefix"])
     path = tmp_path / "ad.lcg"
     llm.save_compressed_state(path, level="balanced", transform="anchor-delta")
     with pytest.raises(InvalidArgumentError, match="one whole container"):
         llm.save_compressed_state(tmp_path / "chunked", transform="anchor-delta")
-    other = _llama(logits_all=True)
+    other = smollm(logits_all=True)
     other.load_compressed_state(path.as_uri())
     assert other.n_tokens == PREFIX
     other.eval(saved["cont"])
@@ -306,7 +301,7 @@ def test_anchor_delta_save_loads_and_continues(saved: dict[str, Any], tmp_path: 
 
 
 def test_save_to_bytes_and_report(saved: dict[str, Any], tmp_path: Path) -> None:
-    llm = _llama()
+    llm = smollm()
     report = llm.load_compressed_state((saved["dir"] / "balanced.lcg").as_uri())
     assert report.tokens == PREFIX and report.bytes_read == (saved["dir"] / "balanced.lcg").stat().st_size
     assert report.ratio > 1 and report.decode_ms > 0

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port, wait_port
+from conftest import DEAD_WRITER, free_port, wait_port
 from llama_cachegen.errors import AuthenticationError, EntryNotFoundError, InvalidArgumentError, StoreError
 from llama_cachegen.stores import KEY_ENV, TAG_MAGIC, Store, open_store, read_url, write_url
 from llama_cachegen.stores.file import FileStore
@@ -388,17 +388,9 @@ def test_folders_files_and_links_are_4xx_not_tracebacks(
     assert (outside / "secret.txt").read_bytes() == b"secret"
 
 
-_DEAD_WRITER = """
-import os, sys
-from llama_cachegen.stores.file import FileStore
-pending = FileStore(sys.argv[1]).begin_write("ns/entry.lcg")
-pending.write(b"x" * 5000)
-os._exit(0)  # dies mid-write: the temporary stays
-"""
-
-
 def test_dead_writers_temporaries_are_counted_and_swept_at_once(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-c", _DEAD_WRITER, str(tmp_path)], check=True, timeout=60)
+    writer = [sys.executable, "-c", DEAD_WRITER, str(tmp_path), "ns/entry.lcg", "5000"]
+    subprocess.run(writer, check=True, timeout=60)
     store = FileStore(tmp_path)
     pending = store.temporaries("ns/")
     assert len(pending) == 1 and pending[0].size == 5000 and store.list() == []

@@ -17,15 +17,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import greedy, smollm
 from llama_cachegen import chunks, stores, stream
 from llama_cachegen.errors import CorruptDataError, InvalidArgumentError, StoreError
 from llama_cachegen.llama import Llama, capture_state, restore_state
-from llama_cachegen.model import default_model_path
 from llama_cachegen.shaper import Relay, Trace, mbit
 
 N, C = 600, 128  # five chunks, the last one partial
@@ -33,16 +34,7 @@ CHUNKS = -(-N // C)
 LEVELS = ("lossless", "compact")
 FAST = 1e4  # Mbit/s: a prior for links that are not shaped
 TWO_CHUNKS = 4_500_000  # bytes down through the relay: manifest, skeleton, the last 2 lossless chunks
-
-
-def _llama(**kwargs: Any) -> Llama:
-    params: dict[str, Any] = {"n_ctx": 700, "n_threads": 1, "n_threads_batch": 1, "verbose": False}
-    params.update(kwargs)
-    return Llama(str(default_model_path()), **params)
-
-
-def _greedy(llm: Llama, prompt: list[int]) -> str:
-    return llm.create_completion(prompt, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+_llama = partial(smollm, n_ctx=700, threads=1)  # one thread: see the module docstring
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +44,11 @@ def original(gpl_tokens: list[int]) -> dict[str, Any]:
     llm.eval(prefix)
     state = capture_state(llm, None)
     llm._requires_eval = True  # as after a restore: the last token is decoded again, alone
-    greedy = _greedy(llm, prefix)
+    answer = greedy(llm, prefix)
     assert restore_state(llm, state, None)  # without the answer's positions
     llm.n_tokens = N
     stream.calibrate(llm)  # once for the module: every loader below shares the measurement
-    return {"llm": llm, "prefix": prefix, "state": state, "greedy": greedy}
+    return {"llm": llm, "prefix": prefix, "state": state, "greedy": answer}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +97,7 @@ def _manifest_bytes(url: str) -> bytes:
 
 def _continues(loader: Llama, original: dict[str, Any]) -> None:
     assert loader.n_tokens == N
-    assert _greedy(loader, original["prefix"]) == original["greedy"]
+    assert greedy(loader, original["prefix"]) == original["greedy"]
 
 
 @both_stores
@@ -246,7 +238,7 @@ def test_a_new_chunk_is_not_fetched_better_than_an_upgrade_is_worth(
         ("balanced", "high")
     ] * (CHUNKS - 1)
     assert report.failures == [] and math.isclose(report.expected_kl, stream.LEVEL_KL["high"])
-    assert _greedy(loader, original["prefix"])  # a complete context that generates
+    assert greedy(loader, original["prefix"])  # a complete context that generates
 
 
 def test_an_idle_cpu_computes_lossy_chunks_again_while_time_is_left(
@@ -285,7 +277,7 @@ def test_an_upgrade_that_fails_leaves_the_chunk_as_it_was(
     assert [rec.level for rec in report.records[1:]] == ["lossless"] * (CHUNKS - 1)
     assert len(report.failures) == 1 and "upgrade" in report.failures[0] and report.fallback is None
     assert 0.0 < report.expected_kl < stream.LEVEL_KL["compact"]
-    assert _greedy(loader, original["prefix"])  # a complete context that generates
+    assert greedy(loader, original["prefix"])  # a complete context that generates
 
 
 def test_link_too_slow_for_the_skeleton_computes_every_chunk(
