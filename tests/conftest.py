@@ -89,9 +89,10 @@ def smollm(n_ctx: int = 512, threads: int = 2, **kwargs: Any) -> Any:
     return Llama(str(default_model_path()), **(params | kwargs))
 
 
-def greedy(llm: Any, prompt: Sequence[int], max_tokens: int = 8) -> str:
-    """The greedy completion of `prompt`."""
-    return llm.create_completion(list(prompt), max_tokens=max_tokens, temperature=0.0)["choices"][0]["text"]
+def greedy(llm: Any, prompt: str | Sequence[int], max_tokens: int = 8) -> str:
+    """The greedy completion of `prompt` (text or token ids)."""
+    prompt = prompt if isinstance(prompt, str) else list(prompt)
+    return llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0)["choices"][0]["text"]
 
 
 def chunk_objects(cache: Any) -> dict[str, bytes]:

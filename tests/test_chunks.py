@@ -270,7 +270,7 @@ def test_prefix_sharing_on_every_store(contexts: dict[str, Any], store_url: str)
 @pytest.fixture
 def saved_small(contexts: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     """Context A saved at C = 64 into a fresh directory, and a target context holding other tokens."""
-    writer = _llama(n_ctx=512)
+    writer = _llama(n_ctx=512, logits_all=True)  # its manifest keeps the last logits
     _set(writer, contexts["states"]["a"], contexts["tokens"]["a"])
     url = tmp_path / "ctx"
     chunks.save_chunked(writer, url, levels=LEVELS, chunk_tokens=64)
@@ -333,10 +333,19 @@ def test_bad_manifests_are_refused(saved_small: dict[str, Any]) -> None:
     store, target, url = saved_small["store"], saved_small["target"], saved_small["url"]
     good = store.get("ctx")
     load = lambda: chunks.load_chunked(target, url)  # noqa: E731
-    overrun = b"LCGM\x02\x00\x00\x00\xff\xff\xff\xff"
-    for bad in (good[:100], overrun, good[:-4]):
+    assert saved_small["manifest"].meta.logits is not None
+    for bad in (good[:100], good[:-4], b"LCGM\x02\x00\x00\x00\xff\xff\xff\xff"):
         store.put("ctx", bad)
         _refused(target, load, CorruptDataError)
+    # what a reader checks behind the digest (a writer of its own could have made these)
+    body = good[: -envelope.DIGEST_BYTES]
+    for bad, match in (
+        (b"LCGM\x02\x00\x00\x00\xff\xff\xff\xff", "overruns"),
+        (body.replace(b'"chunk_tokens":64', b'"chunk_tokens":65'), "do not recompute"),
+        (body.replace(b'"chunk_tokens":64', b'"chunk_tokens":10'), "chunk_tokens"),  # < 16
+    ):
+        store.put("ctx", envelope.with_digest(bad))
+        _refused(target, load, CorruptDataError, match)
     # one bit anywhere (the header, the token ids, the last logits, the digest): the SHA-256 says so
     for at in (20, len(good) // 2, len(good) - 40, len(good) - 1):
         store.put("ctx", good[:at] + bytes([good[at] ^ 0x80]) + good[at + 1 :])

@@ -10,7 +10,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import kv_cache_bytes, seq_buffer
+from conftest import kv_cache_bytes, seq_buffer, smollm
 from llama_cachegen import chunks
 from llama_cachegen.cli import DEMO_QUESTION
 from llama_cachegen.llama import Llama
@@ -31,7 +31,7 @@ def slot_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A llama-server slot file: llama_state_seq_save_file of a real context; beside it the same
     context saved as a container (saved.lcg) and chunked (the manifest ctx, its objects in lcg4/)."""
     path = tmp_path_factory.mktemp("slot") / "slot0.bin"
-    llm = Llama(str(default_model_path()), n_ctx=512, n_threads=2, verbose=False)
+    llm = smollm()
     tokens = llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 6)
     llm.eval(tokens)
     array = (llama_cpp.llama_token * len(tokens))(*tokens)
@@ -68,7 +68,7 @@ def test_inspect_shows_the_llama_cpp_python_envelope(slot_file: Path) -> None:
 
 
 def test_inspect_shows_a_manifest_and_every_cache(slot_file: Path, tmp_path: Path) -> None:
-    llm = Llama(str(default_model_path()), n_ctx=512, n_threads=2, verbose=False)
+    llm = smollm()
     llm.eval(llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 6))
     llm.save_compressed_state(tmp_path / "a", levels=("balanced", "compact"), chunk_tokens=16)
     llm.eval(llm.tokenize(b" And then it ran away."))

@@ -13,7 +13,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import chunk_objects, multi_seq_llama, smollm
+from conftest import chunk_objects, greedy, multi_seq_llama, smollm
 from llama_cachegen import codec
 from llama_cachegen.cache import CompressedStateCache
 from llama_cachegen.chunks import PREFIX
@@ -35,15 +35,11 @@ LONG_PROMPT, LONG_OTHER = LONG.format("France", "France"), LONG.format("Japan", 
 C = 16
 
 
-def _answer(llm: llama_cpp.Llama, prompt: str) -> str:
-    return llm.create_completion(prompt, max_tokens=6, temperature=0.0)["choices"][0]["text"]
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict[str, str]:
     """Answers of a context without any cache."""
     llm = smollm()
-    return {p: _answer(llm, p) for p in (PROMPT, OTHER, LONG_PROMPT)}
+    return {p: greedy(llm, p, 6) for p in (PROMPT, OTHER, LONG_PROMPT)}
 
 
 _FLASH_WRITER = """
@@ -72,7 +68,7 @@ def test_processes_differing_only_in_flash_attention_share_no_entry(
     llm.set_cache(cache)
     for _ in range(2):
         llm.reset()
-        assert _answer(llm, LONG_PROMPT) == reference[LONG_PROMPT]
+        assert greedy(llm, LONG_PROMPT, 6) == reference[LONG_PROMPT]
     assert cache.hits == 1  # the second completion hits this context's own chunks, not the writer's
     assert model_fingerprint(llm)["flash_attn"] == "disabled"
     assert len(cache.store.list(f"{PREFIX}skeletons/")) == 2  # one per fingerprint: nothing shared
@@ -88,12 +84,12 @@ def test_chunks_llama_cpp_refuses_are_dropped_as_a_miss(tmp_path: Path, referenc
     cache[[]] = flash.save_state()
     forged = chunk_objects(cache)
     llm.set_cache(cache)
-    assert _answer(llm, LONG_PROMPT) == reference[LONG_PROMPT]
+    assert greedy(llm, LONG_PROMPT, 6) == reference[LONG_PROMPT]
     assert (cache.hits, cache.misses) == (0, 1)
     honest = chunk_objects(cache)  # the completion filed its own chunks under the same keys
     assert honest.keys() == forged.keys() and all(honest[k] != forged[k] for k in forged)
     llm.reset()
-    assert _answer(llm, LONG_PROMPT) == reference[LONG_PROMPT]
+    assert greedy(llm, LONG_PROMPT, 6) == reference[LONG_PROMPT]
     assert cache.hits == 1
 
 
@@ -118,7 +114,7 @@ def test_poisoned_chunks_are_refused_with_a_key(
     cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C)
     victim.set_cache(cache)
     assert cache.namespace == forger.namespace
-    assert _answer(victim, LONG_PROMPT) == reference[LONG_PROMPT]
+    assert greedy(victim, LONG_PROMPT, 6) == reference[LONG_PROMPT]
     assert " Paris" in reference[LONG_PROMPT]
     assert (cache.hits, cache.misses) == (0, 1)  # refused (AuthenticationError), dropped, a miss
 

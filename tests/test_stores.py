@@ -91,14 +91,18 @@ def test_read_write_url(tmp_path: Path, redis_url: str, http_server: tuple[str, 
 _HALTED_WRITER = """
 import sys
 from llama_cachegen.stores import open_store
+from llama_cachegen.stores.file import PendingWrite
 store = open_store(sys.argv[1])
 store.put("entry.bin", b"old" * 1000)
-pending = store.begin_write("entry.bin")  # the write a put makes, halted halfway
-pending.write(bytes(range(256)) * 4096)
-print("halfway", flush=True)
-sys.stdin.readline()  # killed here
-pending.write(bytes(range(256)) * 4096)
-pending.commit()
+write = PendingWrite.write
+def halting_write(self, data):  # the put below stops halfway through its data
+    write(self, data[: len(data) // 2])
+    print("halfway", flush=True)
+    sys.stdin.readline()  # killed here
+    write(self, data[len(data) // 2 :])
+PendingWrite.write = halting_write
+store.put("entry.bin", bytes(range(256)) * 8192)
+print("done", flush=True)
 """
 
 
@@ -133,7 +137,7 @@ def test_a_server_that_stops_answering_is_asked_once() -> None:
 
 
 def test_killed_file_writer_leaves_no_torn_entry(tmp_path: Path) -> None:
-    """SIGKILL a writer halfway through writing an entry again: readers see the old value, never a
+    """SIGKILL a writer halfway through a put over an entry: readers see the old value, never a
     torn one, and the leftover temporary is not an entry."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _HALTED_WRITER, tmp_path.as_uri()],

@@ -252,7 +252,8 @@ class ChunkEntry:
 class Manifest:
     """The object under a context's URL (docs/format.md, "Manifest and store layout"):
 
-        b"LCGM", u32 version, u32 header size, JSON header, StateMeta envelope (llama.py)
+        b"LCGM", u32 version, u32 header size, JSON header, StateMeta envelope (llama.py),
+        SHA-256 of the bytes before it
 
     The envelope is the one a whole container carries (fingerprint, scope, n_ctx, tokens, last
     logits); the header says where the K/V is. Chunked (`chunk_tokens` set): the skeleton's id, per

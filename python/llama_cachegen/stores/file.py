@@ -42,13 +42,14 @@ def path_of(url: str | Path) -> Path:
     """The local path of a `file://` URL or a plain path."""
     url = str(url)
     parts = urllib.parse.urlsplit(url)
-    local = parts.scheme.lower() != "file"
-    if not (url if local else parts.path):
-        raise InvalidArgumentError(f"the path or URL {url!r} names nothing")
-    if local:
+    if parts.scheme.lower() != "file":
+        if not url:
+            raise InvalidArgumentError("an empty path names nothing")
         return Path(url).expanduser()
     if parts.netloc not in ("", "localhost"):
         raise InvalidArgumentError(f"file URL {url!r} names a remote host")
+    if not parts.path:
+        raise InvalidArgumentError(f"file URL {url!r} names nothing")
     return Path(urllib.request.url2pathname(parts.path))
 
 
