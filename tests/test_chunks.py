@@ -329,6 +329,23 @@ def test_bad_chunks_are_refused_and_leave_the_context(saved_small: dict[str, Any
     assert target.n_tokens == 230 and greedy(target, target.input_ids[:230].tolist())
 
 
+def test_a_chunk_damaged_in_the_store_is_removed_and_a_save_heals_it(saved_small: dict[str, Any]) -> None:
+    """A byte of a chunk's K/V flipped where it is stored: the load is refused (the context as it
+    was) and the object removed, since a save skips objects that exist and every later load would
+    fail on it; saving the context again writes it, and it loads."""
+    store, manifest, target, url = (saved_small[k] for k in ("store", "manifest", "target", "url"))
+    key = f"{PREFIX}chunks/{manifest.chunks[1].key}/lossless"
+    good = store.get(key)
+    at = len(good) // 2  # inside a tensor section
+    store.put(key, good[:at] + bytes([good[at] ^ 1]) + good[at + 1 :])
+    _refused(target, lambda: chunks.load_chunked(target, url), ChecksumError, "tensor section.*removed")
+    assert not store.exists(key)
+    report = chunks.save_chunked(saved_small["writer"], url, levels=LEVELS, chunk_tokens=64)
+    assert store.exists(key) and report.objects_written >= 1
+    chunks.load_chunked(target, url)
+    assert capture_state(target, None) == capture_state(saved_small["writer"], None)
+
+
 def test_bad_manifests_are_refused(saved_small: dict[str, Any]) -> None:
     store, target, url = saved_small["store"], saved_small["target"], saved_small["url"]
     good = store.get("ctx")

@@ -463,6 +463,25 @@ def test_chunk_corrupted_on_the_wire_is_fetched_again(
     _continues(loader, original)
 
 
+def test_a_plain_load_damaged_on_the_wire_removes_nothing(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    """A byte flipped on the way (not where it is stored): the load fails, and the store keeps
+    every object (read again, it is whole: only damage that repeats byte for byte is removed)."""
+    r, url = relay
+    store_url, _ = chunks.split_manifest_url(url)
+    manifest = chunks.read_manifest(url)
+    keys = [chunks._chunk_key(c.key, level) for c in manifest.chunks for level in LEVELS]
+    r.corrupt(TWO_CHUNKS)
+    with pytest.raises(CorruptDataError) as refused:
+        chunks.load_chunked(loader, url)
+    assert "removed" not in str(refused.value)
+    with stores.open_store(store_url) as store:
+        assert all(store.exists(k) for k in keys)
+    chunks.load_chunked(loader, url)  # the link heals: it loads
+    assert capture_state(loader, None) == original["state"]
+
+
 def test_skeleton_corrupted_on_the_wire_is_fetched_again(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:

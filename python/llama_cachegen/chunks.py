@@ -40,6 +40,7 @@ import numpy as np
 from . import codec, envelope, stores
 from .envelope import MANIFEST_MAGIC, is_int, require
 from .errors import (
+    CacheGenError,
     CorruptDataError,
     EntryNotFoundError,
     InvalidArgumentError,
@@ -598,12 +599,32 @@ class _ChunkReader:
         return list(self._stats)
 
     def get_verified(self, key: str, object_id: str, what: str) -> bytes:
-        """A content-addressed object whose sha256 must be its id."""
+        """A content-addressed object whose sha256 must be its id. A skeleton damaged where it is
+        stored is discarded (`discard_damaged`); statistics are not: the chunks that name them
+        would stay unusable, as a save writes statistics of its own."""
         data = self.store.get(key)
         self._count(len(data))
         if _sha256(data) != object_id:
-            raise CorruptDataError(f"{what} {key!r} does not hash to its id")
+            exc = CorruptDataError(f"{what} {key!r} does not hash to its id")
+            raise self.discard_damaged(exc, key, data) if what == "skeleton" else exc
         return data
+
+    def discard_damaged(self, exc: CorruptDataError, key: str, data: bytes) -> CorruptDataError:
+        """`exc`, which `data` (read from `key`) failed verification with; the object is deleted
+        when the store still holds these very bytes: damaged where it is stored (damage on the way
+        does not repeat byte for byte), it would fail every load, and a save skips an object that
+        exists. Content-addressed, it is written again by the next save of any context holding it;
+        the error says so."""
+        try:
+            removed = self.store.get(key) == data and self.store.delete(key)
+        except CacheGenError:
+            removed = False  # gone meanwhile, or this reader may not delete: leave it
+        if not removed:
+            return exc
+        note = "damaged where it is stored: removed, so that saving the context again writes it"
+        new = type(exc)(f"{exc} ({note})")
+        new.__cause__ = exc
+        return new
 
     def _count(self, n: int) -> None:
         self.bytes_read += n
@@ -627,7 +648,12 @@ class _ChunkReader:
             except EntryNotFoundError:
                 continue  # evicted since the manifest was written: the next level may be there
             self._count(len(chunk))
-            meta = self._check(i, level, chunk)
+            try:
+                meta = self._check(i, level, chunk)
+            except ModelMismatchError:
+                raise
+            except CorruptDataError as exc:
+                raise self.discard_damaged(exc, _chunk_key(self.keys[i], level), chunk)  # noqa: B904
             if meta.stats_id not in self._stats:
                 data = self.get_verified(_stats_key(meta.stats_id), meta.stats_id, "statistics")
                 self._stats[meta.stats_id] = codec.Stats(data, bytes.fromhex(meta.stats_id))
@@ -704,7 +730,10 @@ def _assemble(
                 while ready and ready[0].stats is batch[0].stats:
                     batch.append(ready.popleft())
                 start = time.perf_counter()
-                codec.decode_chunks([got.chunk for got in batch], batch[0].stats, state, threads=threads)
+                try:
+                    codec.decode_chunks([got.chunk for got in batch], batch[0].stats, state, threads=threads)
+                except CorruptDataError as exc:
+                    raise _damaged_in(reader, batch, state, exc)  # noqa: B904
                 decode_s += time.perf_counter() - start
                 for got in batch:
                     fetch_s += got.fetch_s
@@ -715,6 +744,19 @@ def _assemble(
             for pending in fetches:
                 pending.cancel()
     return state, skeleton, {"levels": levels, "fetch_s": fetch_s, "decode_s": decode_s, "lossy": lossy}
+
+
+def _damaged_in(
+    reader: _ChunkReader, batch: list[_Fetched], state: np.ndarray, exc: CorruptDataError
+) -> CorruptDataError:
+    """The error of a batch that failed to decode, from the chunk that fails alone (discarded when
+    damaged where it is stored: _ChunkReader.discard_damaged)."""
+    for got in batch:
+        try:
+            codec.decode_chunk(got.chunk, got.stats, state, threads=1)
+        except CorruptDataError as alone:
+            return reader.discard_damaged(alone, _chunk_key(got.meta.key, got.level), got.chunk)
+    return exc
 
 
 def worse_load(lossy: tuple[int, str] | None, begin: int, level: str) -> tuple[int, str]:
