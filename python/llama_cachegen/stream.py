@@ -338,6 +338,10 @@ class _Plan:
     finish: float  # predicted perf_counter time of a loaded context
     cost: float  # token-weighted KL of the undecided chunks (text: 0)
     feasible: bool
+    # when it ends with the link's part stretched by the spread's margin (_share): what ranks
+    # plans that do not fit (by `finish`, a fetch that ends with the CPU's last chunk would be as
+    # early as a smaller one, and win on KL while more at risk)
+    at_risk: float = 0.0
 
 
 class _Loader:
@@ -578,7 +582,7 @@ class _Loader:
             f = m - x
             if f == 0:
                 finish = cpu_free + cpu[x]
-                return _Plan(worse, x, finish, 0.0, finish <= deadline)
+                return _Plan(worse, x, finish, 0.0, finish <= deadline, finish)
             nbytes = tail[worse][x] + tail[better][m - n] - tail[worse][m - n]
             decode = self._decode_s(worse, tail[worse][x] - tail[worse][m - n]) + self._decode_s(
                 better, tail[better][m - n]
@@ -586,10 +590,11 @@ class _Loader:
             last = better if n == f else worse  # the front chunk of those fetched
             link = link_free + self._net_s(nbytes) + self._decode_s(last, size[last][x])
             finish = max(cpu_free + cpu[x] + decode, link)
+            at_risk = max(cpu_free + cpu[x] + decode, now + (link - now) / self._share())
             cost = self.kl.get(worse, math.inf) * (tail_tokens[x] - tail_tokens[m - n])
             cost += self.kl.get(better, math.inf) * tail_tokens[m - n]
             following = better if (n > 0 if self.both else n == f) else worse  # the next fetch's
-            return _Plan(following, x, finish, cost, finish <= deadline)
+            return _Plan(following, x, finish, cost, finish <= deadline, at_risk)
 
         pairs = list(zip(levels, levels[1:], strict=False)) or [(levels[0], levels[0])]
         best: _Plan | None = None
@@ -674,12 +679,13 @@ class _Loader:
         if i is None or i in self.jobs or self.done[i] or (self.oracle is None and self._inv() is None):
             return
         deadline = self._deadline(now)
-        best = _Plan(TEXT, 1, self.cpu_free, 0.0, self.cpu_free <= deadline)
+        best = _Plan(TEXT, 1, self.cpu_free, 0.0, self.cpu_free <= deadline, self.cpu_free)
         tokens = self.ranges[i][1] - self.ranges[i][0]
         for level in self.levels[i]:
             size = self._size(i, level)
             finish = now + self._net_s(size) + self._decode_s(level, size)
-            plan = _Plan(level, 0, finish, self.kl.get(level, math.inf) * tokens, finish <= deadline)
+            at_risk = now + (finish - now) / self._share()
+            plan = _Plan(level, 0, finish, self.kl.get(level, math.inf) * tokens, finish <= deadline, at_risk)
             if _better(plan, best):
                 best = plan
         if best.level == TEXT and not best.feasible and self.oracle is None and self.invs:
@@ -1264,12 +1270,13 @@ def _suffix_sums(values: list[float] | list[int]) -> list[float]:
 
 
 def _better(a: _Plan, b: _Plan) -> bool:
-    """Feasible first; then the lowest KL, the earliest, the least computed; else the earliest."""
+    """Feasible first; then the lowest KL, the earliest, the least computed; else the earliest with
+    the link's margin (at_risk)."""
     if a.feasible != b.feasible:
         return a.feasible
     if a.feasible:
         return (a.cost, a.finish, a.text) < (b.cost, b.finish, b.text)
-    return (a.finish, a.cost) < (b.finish, b.cost)
+    return (a.at_risk, a.cost) < (b.at_risk, b.cost)
 
 
 def load_streaming(
