@@ -88,13 +88,15 @@ def test_inspect_shows_a_manifest_and_every_cache(slot_file: Path, tmp_path: Pat
     assert raw["caches"] == 2 and raw["cells"] == 14 and raw["tensors"] == 8
 
 
-def test_errors_are_reported_not_raised(tmp_path: Path) -> None:
+def test_errors_are_reported_not_raised(slot_file: Path, tmp_path: Path) -> None:
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"not a state at all" * 10)
     proc = _cli("inspect", junk, check=False)
     assert proc.returncode == 1 and "inspect: error:" in proc.stderr and "Traceback" not in proc.stderr
     proc = _cli("decompress", tmp_path / "missing.lcg", tmp_path / "out", check=False)
     assert proc.returncode == 1 and "error:" in proc.stderr
+    proc = _cli("load", slot_file.with_name("ctx"), "--model", junk, check=False)  # not a GGUF
+    assert proc.returncode == 1 and "cannot load the model" in proc.stderr and "Traceback" not in proc.stderr
     stub = tmp_path / "stub"
     stub.write_bytes(b"LCGM")  # a manifest's magic and nothing else
     proc = _cli("inspect", stub, check=False)

@@ -283,6 +283,12 @@ def test_request_size_limit(nodes: tuple[Node, Node], cluster: Cluster, tmp_path
     proxy = cluster.proxy_of(a.server, a.slot_dir, str(tmp_path), "--max-body-mb", "1")
     assert _status_of(proxy + "/completion", {"prompt": "x" * (2 << 20), "n_predict": 1}) == 413
     assert _status_of(proxy + "/completion", {"prompt": "Hello", "n_predict": 1}) == 200
+    # refused from the declared length, before a body that never comes (the reply is all it waits for)
+    host, port = proxy.removeprefix("http://").split(":")
+    for head in (b"POST /completion", b"GET /slots"):
+        with socket.create_connection((host, int(port)), 30) as client:
+            client.sendall(head + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n{}")
+            assert client.recv(64).startswith(b"HTTP/1.1 413"), head
 
 
 def _stream_chat(url: str, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any], dict[str, str], int]:

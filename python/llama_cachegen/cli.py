@@ -56,6 +56,15 @@ def _model(path: str | None) -> str:
     return str(path or default_model_path())
 
 
+def _open_model(make: Callable[..., Any], path: str, **kwargs: Any) -> Any:
+    """make(path, **kwargs): a llama-cpp-python model; InvalidArgumentError when llama.cpp cannot
+    load the file (llama-cpp-python says so with a ValueError)."""
+    try:
+        return make(path, **kwargs)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"cannot load the model {path}: {exc}") from None
+
+
 # --- demo -----------------------------------------------------------------------------------
 
 
@@ -86,7 +95,7 @@ def _answer(llm: Any, prompt: list[int], max_tokens: int) -> tuple[str, int]:
 def _demo_worker(args: argparse.Namespace) -> int:
     from .llama import Llama, load_compressed_state, save_compressed_state
 
-    llm = Llama(args.model, n_ctx=args.n_ctx, n_threads=args.threads, verbose=False)
+    llm = _open_model(Llama, args.model, n_ctx=args.n_ctx, n_threads=args.threads, verbose=False)
     question = llm.tokenize(DEMO_QUESTION.encode(), add_bos=False)
     result: dict[str, Any] = {}
     if args.role == "prefill":
@@ -409,7 +418,7 @@ def _eval(args: argparse.Namespace) -> int:
     model = _model(args.model)
     n_ctx = args.tokens + args.cont + 64
     _progress(f"loading {model}")
-    llm = make_llama(model, n_ctx=n_ctx, n_threads=args.threads)
+    llm = _open_model(make_llama, model, n_ctx=n_ctx, n_threads=args.threads)
     require_kv_cache(llm)
     all_tokens = llm.tokenize(_text(args.text).encode())
     if len(all_tokens) < args.tokens + args.cont:
@@ -508,9 +517,9 @@ def _eval(args: argparse.Namespace) -> int:
             r["method"],
             _size(r["bytes"]),
             f"{r['ratio']:.2f}x",
-            f"{r['kl']:.4f}",
+            f"{r['kl']:.4g}",
             f"{r['top1']:.3f}",
-            f"{r['dppl']:+.4f}",
+            f"{r['dppl']:+.4g}",
         )
         for r in rows
     ]
@@ -526,7 +535,7 @@ def _eval(args: argparse.Namespace) -> int:
             else ""
         )
         print(
-            f"{level}: KL {p['kl']:.4f} vs llama.cpp {p['reference']}'s {p['reference_kl']:.4f}: "
+            f"{level}: KL {p['kl']:.4g} vs llama.cpp {p['reference']}'s {p['reference_kl']:.4g}: "
             f"the promise (at most {p['reference']}'s KL) {verdict} on this model and text{noise}"
         )
         if p["reference_broken"]:
@@ -569,7 +578,7 @@ def _load(args: argparse.Namespace) -> int:
         m = chunks.Manifest.unpack(data)
         n_chunks = max(1, len(m.chunks))
         n_ctx = n_ctx or int(m.meta.tokens.size) + 256
-    llm = Llama(_model(args.model), n_ctx=n_ctx or 4096, n_threads=args.threads, verbose=False)
+    llm = _open_model(Llama, _model(args.model), n_ctx=n_ctx or 4096, n_threads=args.threads, verbose=False)
     bar = tqdm(total=n_chunks, unit="chunk", file=sys.stderr, disable=args.json or None)
 
     def progress(record: ChunkRecord) -> None:

@@ -597,6 +597,11 @@ class Proxy:
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         self.stats.requests += 1
+        if request.content_length is not None and request.content_length > self.max_body:
+            # at once, from the declared length: aiohttp would wait for a body that may never come
+            response = web.Response(status=413, text=f"a request body over {self.max_body} bytes\n")
+            response.force_close()
+            return response
         if request.path == STATS_PATH:
             return web.json_response(self.stats.__dict__)
         if request.method == "POST" and request.path in COMPLETION_PATHS | CHAT_PATHS:

@@ -155,10 +155,12 @@ class HttpStore(Store):
         if response.status == 404:
             raise EntryNotFoundError(f"{key!r} not in {self.url}")
         if response.status in (401, 403):
-            raise StoreError(
-                f"HTTP {method} {url}: {response.status} {response.reason} "
-                f"(the server needs a token: token= or {TOKEN_ENV})"
+            hint = (
+                "the server refused this token"
+                if "Authorization" in self._headers
+                else f"the server needs a token: token= or {TOKEN_ENV}"
             )
+            raise StoreError(f"HTTP {method} {url}: {response.status} {response.reason} ({hint})")
         if response.status >= 400:
             detail = response.data[:300].decode("utf-8", "replace").strip()
             raise StoreError(f"HTTP {method} {url}: {response.status} {response.reason}: {detail}")
