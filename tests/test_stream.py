@@ -129,9 +129,8 @@ def test_slow_link_takes_lower_levels(relay: tuple[Relay, str], loader: Llama) -
     assert "compact" in levels and levels.count("lossless") < CHUNKS and stream.TEXT not in levels
     manifest = chunks.read_manifest(url)
     lossless = sum(e.sizes["lossless"] for e in manifest.chunks)
-    measured = report.records[-1].mbps
-    assert measured is not None and measured < 100
-    assert lossless * 8 / (measured * 1e6) > slo  # a fixed best level would have missed it
+    assert report.records[-1].mbps is not None  # the skeleton's rate (a burst of the relay's bucket)
+    assert r.transfer_s(lossless) > slo  # a fixed best level would have missed it
 
 
 def test_a_budget_between_two_levels_goes_to_the_latest_chunks(
