@@ -341,7 +341,7 @@ class _Plan:
     # when it ends with the link's part stretched by the spread's margin (_share): what ranks
     # plans that do not fit (by `finish`, a fetch that ends with the CPU's last chunk would be as
     # early as a smaller one, and win on KL while more at risk)
-    at_risk: float = 0.0
+    at_risk: float
 
 
 class _Loader:
@@ -564,6 +564,7 @@ class _Loader:
         if not undecided or (self.oracle is None and self._inv() is None):
             return None
         deadline = self._deadline(now)
+        stretch = 1.0 / self._share()  # the link's margin, for at_risk
         m = len(undecided)
         cpu_free = max(now, self.cpu_free) + sum(
             self._decode_s(j.level, self._size(j.index, j.level)) for j in self.jobs.values()
@@ -590,7 +591,7 @@ class _Loader:
             last = better if n == f else worse  # the front chunk of those fetched
             link = link_free + self._net_s(nbytes) + self._decode_s(last, size[last][x])
             finish = max(cpu_free + cpu[x] + decode, link)
-            at_risk = max(cpu_free + cpu[x] + decode, now + (link - now) / self._share())
+            at_risk = max(cpu_free + cpu[x] + decode, now + (link - now) * stretch)
             cost = self.kl.get(worse, math.inf) * (tail_tokens[x] - tail_tokens[m - n])
             cost += self.kl.get(better, math.inf) * tail_tokens[m - n]
             following = better if (n > 0 if self.both else n == f) else worse  # the next fetch's
@@ -679,12 +680,13 @@ class _Loader:
         if i is None or i in self.jobs or self.done[i] or (self.oracle is None and self._inv() is None):
             return
         deadline = self._deadline(now)
+        stretch = 1.0 / self._share()
         best = _Plan(TEXT, 1, self.cpu_free, 0.0, self.cpu_free <= deadline, self.cpu_free)
         tokens = self.ranges[i][1] - self.ranges[i][0]
         for level in self.levels[i]:
             size = self._size(i, level)
             finish = now + self._net_s(size) + self._decode_s(level, size)
-            at_risk = now + (finish - now) / self._share()
+            at_risk = now + (finish - now) * stretch
             plan = _Plan(level, 0, finish, self.kl.get(level, math.inf) * tokens, finish <= deadline, at_risk)
             if _better(plan, best):
                 best = plan
