@@ -147,8 +147,10 @@ class Cluster(Processes):
         super().__init__(root)
         self.binary = binary
 
-    def server(self, name: str, model: Path | None = None, *extra: str) -> tuple[str, Path]:
-        return self.llama_server(name, self.binary, N_CTX, model, *extra)
+    def server(
+        self, name: str, model: Path | None = None, *extra: str, port: int | None = None
+    ) -> tuple[str, Path]:
+        return self.llama_server(name, self.binary, N_CTX, model, *extra, port=port)
 
     def proxy_of(self, server: str, slot_dir: Path, store: str, *extra: str) -> str:
         settings = ("--levels", "lossless", "--chunk-tokens", str(CHUNK), "--threads", "2", *extra)
@@ -242,6 +244,27 @@ def test_shared_prefix_lossless(nodes: tuple[Node, Node]) -> None:
         f"({stats_b['bytes_read'] / 1e3:.0f} KB, {stats_b['load_ms']:.0f} ms), evaluated "
         f"{out_b['timings']['prompt_n']} in {out_b['timings']['prompt_ms']:.0f} ms"
     )
+
+
+def test_a_restarted_server_gets_the_prefix_restored(cluster: Cluster, redis_url: str) -> None:
+    """The proxy recorded what its server's slot held; the server restarts and holds nothing: the
+    next request is restored from the store, not computed in full on the proxy's stale record."""
+    server, slot_dir = cluster.server("restart")
+    proc = cluster.procs[-1]
+    proxy = cluster.proxy_of(server, slot_dir, f"{redis_url}?prefix=proxy-restart:")
+    prompt = _tokenize(server, sample_text("gfdl-1.3.txt"), add_special=True)[: 3 * CHUNK + 5]
+    first, headers = _complete(proxy, prompt)
+    assert headers[RESTORED_HEADER] == "0" and first["timings"]["prompt_n"] == len(prompt)
+    _wait_uploads(proxy, 1)
+    again, headers = _complete(proxy, prompt)  # the slot holds it: nothing to restore
+    assert headers[RESTORED_HEADER] == "0" and again["timings"]["prompt_n"] <= 1
+
+    proc.terminate()
+    proc.wait(30)
+    assert cluster.server("restart", port=int(server.rsplit(":", 1)[1]))[0] == server
+    after, headers = _complete(proxy, prompt)
+    assert headers[RESTORED_HEADER] == str(3 * CHUNK)
+    assert after["timings"]["prompt_n"] == len(prompt) - 3 * CHUNK and after["content"]
 
 
 def test_unstored_prefix_passes_through(nodes: tuple[Node, Node]) -> None:

@@ -95,6 +95,7 @@ _START_WAIT_S = 120.0  # how long start-up waits for the server to answer /props
 _LOAD_WAIT_S = 10.0  # longest a prefix load may take before the server's speed is measured
 _MIN_LOAD_S = 1.0  # ... and at least this long after
 _MAX_PENDING_UPLOADS = 2  # saved slots waiting for the uploader (each holds a state in memory)
+_SLOTS_WAIT_S = 1.0  # longest wait for GET /slots (answered between the server's batches)
 # bytes per token per level, relative to the f16 state, until the proxy has measured its own
 _GUESS_RATIO = {"lossless": 0.8, "high": 0.3, "balanced": 0.22, "compact": 0.15}
 
@@ -739,6 +740,10 @@ class Proxy:
         if sharing is None or not self._store_ok():
             return 0, 0
         held = common_prefix(slot.tokens, tokens)
+        if held and await self._slot_forgotten(slot.id):
+            log.info("slot %d: the server holds nothing there any more (restarted): restoring", slot.id)
+            slot.tokens, slot.lossy = slot.tokens[:0], None
+            held = 0
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._loader, sharing.load, tokens, held)
         # A store that stops answering must not hold the request (its client's timeouts are a
@@ -792,6 +797,20 @@ class Proxy:
             loaded.ms,
         )
         return loaded.positions, loaded.chunks
+
+    async def _slot_forgotten(self, slot_id: int) -> bool:
+        """Whether llama-server says the slot has run no task since it started (GET /slots lists a
+        slot's id_task from its first task on): the server restarted and what the proxy recorded
+        the slot holding is gone. False where /slots does not say (--no-slots, no answer in
+        _SLOTS_WAIT_S): the record is trusted, at worst the server computes what it lost."""
+        try:
+            slots = await asyncio.wait_for(self._call("GET", "/slots"), _SLOTS_WAIT_S)
+        except (CacheGenError, asyncio.TimeoutError):
+            return False
+        for entry in slots if isinstance(slots, list) else ():
+            if isinstance(entry, dict) and entry.get("id") == slot_id:
+                return "id_task" not in entry
+        return False
 
     async def _save_slot(self, slot_id: int) -> bytes:
         """The slot's sequence file, saved by the server into the slot dir, read and removed."""

@@ -106,7 +106,7 @@ class Processes:
     def start(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
               timeout: float = 180.0) -> str:  # fmt: skip
         """Starts argv (listening on port) and returns its URL once it is ready."""
-        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115 - kept for the process
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - kept for the process
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         url = f"http://127.0.0.1:{port}"
@@ -121,13 +121,20 @@ class Processes:
         raise CacheGenError(f"{name} not ready after {timeout:.0f} s; see {self.root / name}.log")
 
     def llama_server(
-        self, name: str, binary: Path, n_ctx: int, model: Path | None = None, *extra: str
+        self,
+        name: str,
+        binary: Path,
+        n_ctx: int,
+        model: Path | None = None,
+        *extra: str,
+        port: int | None = None,
     ) -> tuple[str, Path]:
         """A llama-server of `model` (default: the bundled one) with one slot, one thread and a slot
-        directory, and `extra` arguments: (URL, slot directory)."""
+        directory, and `extra` arguments: (URL, slot directory). `port`: the port of one stopped
+        (a restart: its name's slot directory again)."""
         slot_dir = self.root / f"slots-{name}"
-        slot_dir.mkdir()
-        port = free_port()
+        slot_dir.mkdir(exist_ok=port is not None)
+        port = port or free_port()
         model = model or default_model_path()
         argv = [str(binary), "-m", str(model), "-c", str(n_ctx), "-np", "1", "-t", "1", "-b", "512",
                 "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", str(slot_dir),
