@@ -13,7 +13,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import DEAD_WRITER, chunk_objects, smollm
+from conftest import DEAD_WRITER, chunk_objects, greedy, smollm
 from llama_cachegen import codec
 from llama_cachegen.cache import CompressedStateCache
 from llama_cachegen.chunks import PREFIX
@@ -44,7 +44,7 @@ def test_two_processes_share_one_directory(tmp_path: Path) -> None:
     assert chunk_objects(cache) and cache.cache_size > 0
     question = prompt + " What is this text about?"
     llama_cpp.llama_perf_context_reset(llm.ctx)
-    text = llm.create_completion(question, max_tokens=6, temperature=0.0)["choices"][0]["text"]
+    text = greedy(llm, question, 6)
     assert cache.hits == 1
     n_prompt = len(llm.tokenize(question.encode()))
     n_cached = len(llm.tokenize(prompt.encode()))
@@ -53,7 +53,7 @@ def test_two_processes_share_one_directory(tmp_path: Path) -> None:
     assert evaluated <= n_prompt - n_cached + C + 4
     llm.set_cache(None)
     llm.reset()
-    assert llm.create_completion(question, max_tokens=6, temperature=0.0)["choices"][0]["text"] == text
+    assert greedy(llm, question, 6) == text
 
 
 def test_hit_extend_save_cycles_never_encode_decoded_kv_again(tmp_path: Path) -> None:
@@ -135,13 +135,13 @@ def test_a_store_that_fails_never_fails_the_completion(tmp_path: Path) -> None:
     from llama_cachegen.server import free_port
 
     prompt = " ".join(sample_text("gfdl-1.3.txt").split()[:40])
-    plain = smollm().create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"]
+    plain = greedy(smollm(), prompt, 4)
     llm = smollm()
     cache = CompressedStateCache(f"redis://127.0.0.1:{free_port()}/0", level="balanced", chunk_tokens=C)
     llm.set_cache(cache)
-    assert llm.create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"] == plain
+    assert greedy(llm, prompt, 4) == plain
     llm.reset()
-    assert llm.create_completion(prompt, max_tokens=4, temperature=0.0)["choices"][0]["text"] == plain
+    assert greedy(llm, prompt, 4) == plain
     assert (cache.hits, cache.misses) == (0, 2)
 
 

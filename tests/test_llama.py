@@ -11,7 +11,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import smollm
+from conftest import greedy, smollm
 from llama_cachegen import codec
 from llama_cachegen.errors import CorruptDataError, InvalidArgumentError, ModelMismatchError
 from llama_cachegen.llama import (
@@ -63,7 +63,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ref = np.array(llm.scores[PREFIX - 1 : PREFIX + CONT - 1])
     llm.n_tokens = PREFIX  # back to the saved prefix: the answer below evaluates only the question
     question = llm.tokenize(QUESTION, add_bos=False)
-    answer = llm.create_completion(prefix + question, max_tokens=12, temperature=0.0)["choices"][0]["text"]
+    answer = greedy(llm, prefix + question, 12)
     return {"dir": out, "prefix": prefix, "cont": cont, "ref": ref, "question": question, "answer": answer}
 
 
@@ -154,12 +154,12 @@ def test_sequence_save_load_between_seq_ids_leaves_others_untouched() -> None:
 def _assert_mismatch_leaves_context(llm: Llama, blob: bytes, exc: type[Exception], match: str | None) -> None:
     """Loading `blob` fails with `exc` and the context is as it was, and still answers as it did."""
     prompt = llm.input_ids[: llm.n_tokens].tolist() + llm.tokenize(b" and", add_bos=False)
-    answer = llm.create_completion(prompt, max_tokens=2, temperature=0.0)["choices"][0]["text"]
+    answer = greedy(llm, prompt, 2)
     before, n_tokens = _seq_bytes(llm, 0), llm.n_tokens
     with pytest.raises(exc, match=match):
         load_compressed_state(llm, blob)
     assert _seq_bytes(llm, 0) == before and llm.n_tokens == n_tokens
-    assert llm.create_completion(prompt, max_tokens=2, temperature=0.0)["choices"][0]["text"] == answer
+    assert greedy(llm, prompt, 2) == answer
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +240,8 @@ def test_more_token_ids_than_positions_are_refused_on_save_and_load(tmp_path: Pa
     other = smollm()
     fewer = save_compressed_state(llm, level="lossless", tokens=tokens[:60])
     assert load_compressed_state(other, fewer).tokens == 60 and other.n_tokens == 60
-    completion = other.create_completion(tokens[:70], max_tokens=4, temperature=0.0)["choices"][0]["text"]
-    fresh = smollm().create_completion(tokens[:70], max_tokens=4, temperature=0.0)["choices"][0]["text"]
+    completion = greedy(other, tokens[:70], 4)
+    fresh = greedy(smollm(), tokens[:70], 4)
     assert completion == fresh  # positions 60..99 of the state were replaced, not kept
 
     def forged(seq_id: int | None, claimed: int) -> bytes:
