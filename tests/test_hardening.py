@@ -4,6 +4,7 @@ not write, a refused load changes nothing, and a malformed envelope is a Corrupt
 from __future__ import annotations
 
 import json
+import math
 import struct
 import subprocess
 import sys
@@ -14,17 +15,25 @@ import llama_cpp
 import numpy as np
 import pytest
 from conftest import chunk_objects, greedy, multi_seq_llama, smollm
-from llama_cachegen import codec
+from llama_cachegen import chunks, codec, stream
 from llama_cachegen.cache import CompressedStateCache
-from llama_cachegen.chunks import PREFIX
-from llama_cachegen.errors import AuthenticationError, CorruptDataError, ModelMismatchError
+from llama_cachegen.chunks import PREFIX, root_key
+from llama_cachegen.errors import (
+    AuthenticationError,
+    CorruptDataError,
+    InvalidArgumentError,
+    ModelMismatchError,
+)
 from llama_cachegen.llama import (
     ENVELOPE_MAGIC,
     StateMeta,
+    capture_state,
+    fingerprint_key,
     load_compressed_state,
     model_fingerprint,
     save_compressed_state,
 )
+from llama_cachegen.model import sample_text
 from llama_cachegen.stores import KEY_ENV, write_url
 
 PROMPT = "The capital of France is"  # SmolLM2: " Paris."
@@ -190,6 +199,80 @@ def test_fingerprint_covers_the_kv_layout(model_path: Path) -> None:
     streams = model_fingerprint(multi_seq_llama(model_path, 3, unified=False, n_ctx=256, logits_all=False))
     unified = model_fingerprint(multi_seq_llama(model_path, 3, unified=True, n_ctx=256, logits_all=False))
     assert streams["n_stream"] == 3 and unified["n_stream"] == 1
+
+
+def test_fingerprint_covers_rope_and_metadata_overrides(tmp_path: Path) -> None:
+    """llama.cpp caches keys rotated by the context's RoPE: a context with rope_freq_scale 0.5
+    loading (or sharing a prompt cache of) chunks of a default context got keys rotated for other
+    positions, silently (next-token KL 1.3). The model hash reads the file's metadata, not
+    kv_overrides."""
+    llm = smollm()
+    base = model_fingerprint(llm)
+    scaled = smollm(rope_freq_scale=0.5)
+    other = model_fingerprint(scaled)
+    assert base["rope"] is None and "rope_freq_scale=0.5" in other["rope"]
+    assert base["overrides"] is None
+    overridden = model_fingerprint(smollm(kv_overrides={"llama.rope.freq_base": 20000.0}))
+    assert overridden["overrides"] == '{"llama.rope.freq_base": 20000.0}'
+    assert root_key(overridden, C) != root_key(base, C)
+    assert fingerprint_key(other) != fingerprint_key(base) and root_key(other, C) != root_key(base, C)
+    # a default context's keys are those stores held before the fields existed
+    before = {k: v for k, v in base.items() if k not in ("rope", "overrides")}
+    assert root_key(before, C) == root_key(base, C) and fingerprint_key(before) == fingerprint_key(base)
+    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
+    url = f"file://{tmp_path}/ctx"
+    chunks.save_chunked(llm, url, levels=("lossless",), chunk_tokens=C, tokens=llm.input_ids[: llm.n_tokens])
+    with pytest.raises(ModelMismatchError, match="rope"):
+        chunks.load_chunked(scaled, url)
+
+
+def _next_logits(llm: Any, seq: int, pos: int) -> np.ndarray:
+    """The logits after token 42 at `pos` of sequence `seq`, which is then removed again."""
+    stream._decode_tokens(llm.ctx, np.array([42]), pos, seq, 1)
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), (llm.n_vocab(),)).copy()
+    llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), seq, pos, -1)
+    return logits
+
+
+def test_a_context_of_several_streams_is_saved_whole(model_path: Path, tmp_path: Path) -> None:
+    """kv_unified off: each sequence has a stream of its own, and chunks keyed by sequence 0's
+    tokens made two contexts with the same sequence 0 share every chunk: the second one loaded
+    with the first one's sequence 1. Saved whole instead, each loads as it was."""
+    first = smollm().tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)[:70]
+    second = smollm().tokenize(sample_text("gfdl-1.3.txt").encode(), add_bos=True)
+    reference = {}
+    for name, seq1 in (("x", second[:70]), ("y", second[100:170])):
+        llm = multi_seq_llama(model_path, 2, False, n_ctx=256, logits_all=False)
+        llm.eval(first)
+        stream._decode_tokens(llm.ctx, np.asarray(seq1), 0, 1, 70)
+        reference[name] = _next_logits(llm, 1, 70)
+        report = chunks.save_chunked(llm, f"file://{tmp_path}/{name}", levels=("lossless",), chunk_tokens=C)
+        assert report.chunk_tokens is None and report.fallback
+        assert not codec.inspect_state(capture_state(llm, None), "full_buffer")["chunkable"]
+    assert not np.array_equal(reference["x"], reference["y"])
+    llm = multi_seq_llama(model_path, 2, False, n_ctx=256, logits_all=False)
+    chunks.load_chunked(llm, f"file://{tmp_path}/y")
+    assert np.array_equal(_next_logits(llm, 1, 70), reference["y"])
+
+
+def test_arguments_of_another_type_are_refused(tmp_path: Path) -> None:
+    llm = smollm()
+    llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))
+    url = f"file://{tmp_path}/ctx"
+    for seq_id in (1.0, "0", np.int32(0), True):
+        with pytest.raises(InvalidArgumentError, match="seq_id must be an int"):
+            chunks.save_chunked(llm, url, seq_id=seq_id)
+    with pytest.raises(InvalidArgumentError, match="unknown level"):
+        codec.encode(capture_state(llm, None), ["high"])  # type: ignore[arg-type]
+    # levels by number, as encode takes them
+    tokens = llm.input_ids[: llm.n_tokens]
+    report = chunks.save_chunked(llm, url, levels=(2, 0), chunk_tokens=C, tokens=tokens)
+    assert report.levels == ("lossless", "balanced")
+    assert chunks.load_chunked(smollm(), url, level=0).tokens == llm.n_tokens
+    for name in ("compute_tps", "prior_mbps", "slo_s"):
+        for bad in (0, -1.0, math.inf, math.nan, "1", True):
+            with pytest.raises(InvalidArgumentError, match=name):
+                stream.load_streaming(llm, url, **{name: bad})
 
 
 # ---- envelopes -------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ void parse_kv_cache(ByteReader & r, uint32_t ext_bytes, CacheParse & out) {
               "KV cache declares %u streams (1..%u expected)", n_stream, MAX_STREAMS);
     for (uint32_t s = 0; s < n_stream; s++) {
         CellGroup group;
+        group.stream = s;
         group.count_offset = r.pos();
         const uint32_t n_cells = r.u32();
         if (n_cells == 0) {
@@ -313,6 +314,10 @@ uint32_t chunkable_positions(const ParsedState & st) {
     const uint32_t n = static_cast<uint32_t>(st.groups[0].pos.size());
     for (size_t g = 0; g < st.groups.size(); g++) {
         const CellGroup & cg = st.groups[g];
+        // the chunks are keyed by one sequence's tokens: another stream's cells are another text
+        LCG_CHECK(cg.stream == st.groups[0].stream, LCG_ERR_UNSUPPORTED_FORMAT,
+                  "streams %u and %u both hold cells (several sequences of a context with kv_unified off): "
+                  "the state cannot be cut into token chunks", st.groups[0].stream, cg.stream);
         LCG_CHECK(cg.pos.size() == n, LCG_ERR_UNSUPPORTED_FORMAT,
                   "streams hold %u and %zu cells (several sequences, or a sliding-window cache that keeps only "
                   "recent positions): the state cannot be cut into token chunks", n, cg.pos.size());

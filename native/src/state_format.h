@@ -46,6 +46,7 @@ struct Segment {
 // The cells of one stream of one KV cache: where their count and metadata lie in the state, and
 // their positions in state order.
 struct CellGroup {
+    uint32_t stream;                    // its index among the cache's streams
     uint64_t count_offset;              // of the u32 cell_count
     std::vector<uint64_t> meta_offset;  // n_cells + 1: where each cell's metadata starts (and the end)
     std::vector<int32_t> pos;
@@ -71,10 +72,10 @@ ParsedState parse_state(const uint8_t * data, size_t size, int32_t kind);
 
 const char * state_kind_name(int32_t kind);
 
-// Number of positions n when every stream with cells holds exactly the positions 0..n-1, each once
-// (one sequence): such a state can be cut into token chunks. Throws LCG_ERR_UNSUPPORTED_FORMAT
-// saying why otherwise (several sequences in a stream, a sliding-window cache holding only recent
-// positions, a recurrent tail).
+// Number of positions n when one stream holds cells (in each cache) and they are exactly the
+// positions 0..n-1, each once (one sequence): such a state can be cut into token chunks. Throws
+// LCG_ERR_UNSUPPORTED_FORMAT saying why otherwise (several sequences in a stream or in several
+// streams, a sliding-window cache holding only recent positions, a recurrent tail).
 uint32_t chunkable_positions(const ParsedState & st);
 
 // The state of the first n_pos positions of a chunkable state: the same bytes with every stream cut

@@ -48,12 +48,12 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .llama import (
-    FINGERPRINT_FIELDS,
     LoadReport,
     StateMeta,
     _seq_id_ok,
     _state_array,
     better_level,
+    canonical_fingerprint,
     capture_meta,
     check_fingerprint,
     fingerprint_key,
@@ -106,11 +106,9 @@ def _check_chunk_tokens(chunk_tokens: int) -> int:
 
 
 def _check_levels(levels: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(levels, str) or not levels:
+    if isinstance(levels, str) or not isinstance(levels, Sequence) or not levels:
         raise InvalidArgumentError("levels must be a non-empty sequence of level names")
-    for level in levels:
-        codec._level(level)  # raises on an unknown name
-    return tuple(sorted(set(levels), key=codec.LEVEL_ORDER.index))
+    return tuple(sorted({codec.level_name(level) for level in levels}, key=codec.LEVEL_ORDER.index))
 
 
 # ---- keys ---------------------------------------------------------------------------------------
@@ -122,7 +120,7 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
 
 def root_key(fingerprint: dict[str, Any], chunk_tokens: int) -> bytes:
     """H_0: the model, its KV layout (FINGERPRINT_FIELDS) and the chunk size."""
-    canonical = {k: fingerprint.get(k) for k in FINGERPRINT_FIELDS}
+    canonical = canonical_fingerprint(fingerprint)
     canonical["chunk_tokens"] = chunk_tokens
     text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(KEY_DOMAIN + text.encode()).digest()
@@ -766,9 +764,10 @@ def worse_load(lossy: tuple[int, str] | None, begin: int, level: str) -> tuple[i
     return min(lossy[0], begin), level if better_level(lossy[1], level) else lossy[1]
 
 
-def _candidates(sizes: dict[str, Any], level: str | None, index: int) -> tuple[str, ...]:
+def _candidates(sizes: dict[str, Any], level: str | int | None, index: int) -> tuple[str, ...]:
     if level is None:
         return tuple(lv for lv in codec.LEVEL_ORDER if lv in sizes)
+    level = codec.level_name(level)
     if level not in sizes:
         raise EntryNotFoundError(f"chunk {index} is not stored at level {level!r} (only {', '.join(sizes)})")
     return (level,)

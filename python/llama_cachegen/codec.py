@@ -68,9 +68,16 @@ def _level(level: str | int) -> int:
         if level not in LEVELS:
             raise InvalidArgumentError(f"unknown level {level!r}; expected one of {', '.join(LEVELS)}")
         return LEVELS[level]
-    if level not in LEVEL_NAMES:
-        raise InvalidArgumentError(f"unknown level {level!r}; expected 0..{len(LEVELS) - 1}")
+    if not isinstance(level, int) or isinstance(level, bool) or level not in LEVEL_NAMES:
+        raise InvalidArgumentError(
+            f"unknown level {level!r}; expected one of {', '.join(LEVELS)} or 0..{len(LEVELS) - 1}"
+        )
     return int(level)
+
+
+def level_name(level: str | int) -> str:
+    """The name of a level given by name or number (InvalidArgumentError when it is neither)."""
+    return LEVEL_NAMES[_level(level)]
 
 
 def _kind(kind: str) -> int:

@@ -54,7 +54,8 @@ _FLASH_ATTN_NAMES = {
 }
 # Fields that must be equal for a state to load (n_ctx is checked separately: smaller is fine):
 # the model, the KV layout llama.cpp writes (flash attention stores V untransposed, K/V types, one
-# KV stream per sequence unless unified, the SWA cache's size) and the state format itself.
+# KV stream per sequence unless unified, the SWA cache's size), the RoPE the keys were rotated by
+# (a context's overrides), the model's metadata overrides and the state format itself.
 FINGERPRINT_FIELDS = (
     "arch",
     "n_layer",
@@ -67,9 +68,25 @@ FINGERPRINT_FIELDS = (
     "flash_attn",
     "n_stream",
     "swa_full",
+    "rope",
+    "overrides",
     "model_hash",
     "state_format",
 )
+# ... left out of the canonical form (keys, namespaces) when None, so that the keys of contexts
+# without them are those stores held before the field existed
+_OPTIONAL_FIELDS = frozenset({"rope", "overrides"})
+# llama-cpp-python's Llama defaults for a context's RoPE (0 and -1: the model's own values)
+_ROPE_DEFAULTS: dict[str, float] = {
+    "rope_scaling_type": -1,
+    "rope_freq_base": 0.0,
+    "rope_freq_scale": 0.0,
+    "yarn_ext_factor": -1.0,
+    "yarn_attn_factor": 1.0,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+    "yarn_orig_ctx": 0,
+}
 _MAX_ENVELOPE_TOKENS = 1 << 28  # far beyond any n_ctx; bounds what a forged count can ask for
 
 
@@ -215,6 +232,35 @@ def model_rope(llm: llama_cpp.Llama) -> codec.Rope | None:
     return codec.Rope(pairing, head_dim, n_dims, bases, float(scale))
 
 
+def _rope_overrides(params: Any) -> str | None:
+    """A context's RoPE parameters where any differs from llama-cpp-python's defaults (llama.cpp
+    caches keys rotated by them: a key cached under another frequency base or scale is another
+    key); None for the defaults."""
+    values = {name: getattr(params, name) for name in _ROPE_DEFAULTS}
+    if values == _ROPE_DEFAULTS:
+        return None
+    return ",".join(f"{name}={float(v)!r}" for name, v in values.items())
+
+
+def _kv_overrides(llm: llama_cpp.Llama) -> str | None:
+    """The model's metadata overrides (llama-cpp-python's kv_overrides, which llama.cpp applies to
+    the hyperparameters but not to the metadata the model hash reads; any of them may change the
+    K/V) as canonical JSON; None without any."""
+    overrides = getattr(llm, "kv_overrides", None)
+    if not overrides:
+        return None
+    return json.dumps({str(k): v for k, v in overrides.items()}, sort_keys=True)
+
+
+def canonical_fingerprint(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The FINGERPRINT_FIELDS of `fingerprint` that keys and namespaces are computed from."""
+    return {
+        k: fingerprint.get(k)
+        for k in FINGERPRINT_FIELDS
+        if k not in _OPTIONAL_FIELDS or fingerprint.get(k) is not None
+    }
+
+
 def model_fingerprint(llm: llama_cpp.Llama) -> dict[str, Any]:
     """What must match between the saving and the loading context (FINGERPRINT_FIELDS)."""
     model, params = llm.model, llm.context_params
@@ -232,6 +278,8 @@ def model_fingerprint(llm: llama_cpp.Llama) -> dict[str, Any]:
         # llama.cpp refuses a state written with another stream count ("n_stream mismatch")
         "n_stream": 1 if params.kv_unified else llama_cpp.llama_n_seq_max(llm.ctx),
         "swa_full": bool(params.swa_full) if has_swa else None,  # the SWA cache's size; no SWA: moot
+        "rope": _rope_overrides(params),
+        "overrides": _kv_overrides(llm),
         "model_hash": _model_hash(llm),
         # the state layout changes with llama.cpp; llama-cpp-python pins one llama.cpp per release
         "state_format": (
@@ -243,7 +291,7 @@ def model_fingerprint(llm: llama_cpp.Llama) -> dict[str, Any]:
 
 def fingerprint_key(fingerprint: dict[str, Any]) -> str:
     """A short stable name for a fingerprint (used to keep caches of different models apart)."""
-    canonical = json.dumps({k: fingerprint.get(k) for k in FINGERPRINT_FIELDS}, sort_keys=True)
+    canonical = json.dumps(canonical_fingerprint(fingerprint), sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -312,6 +360,8 @@ def _last_logits(llm: llama_cpp.Llama) -> np.ndarray | None:
 def _seq_id_ok(llm: llama_cpp.Llama, seq_id: int | None) -> None:
     # llama.cpp aborts the process (GGML_ASSERT) on a sequence id beyond n_seq_max
     n_seq_max = llama_cpp.llama_n_seq_max(llm.ctx)
+    if seq_id is not None and not envelope.is_int(seq_id):
+        raise InvalidArgumentError(f"seq_id must be an int or None, got {type(seq_id).__name__} {seq_id!r}")
     if seq_id is not None and not 0 <= seq_id < n_seq_max:
         raise InvalidArgumentError(f"seq_id {seq_id} out of range: this context has n_seq_max {n_seq_max}")
 

@@ -1263,6 +1263,10 @@ class _Loader:
                     self._claim(k, "failed")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _suffix_sums(values: list[float] | list[int]) -> list[float]:
     """[sum(values[x:]) for x in 0..len(values)]."""
     out = [0.0] * (len(values) + 1)
@@ -1307,12 +1311,11 @@ def load_streaming(
     bandwidth oracle, for benchmarks). `progress(record)` is called after each chunk.
     A whole-container manifest (a state that could not be chunked) loads as `load_chunked` does.
     """
-    if slo_s is not None and not (isinstance(slo_s, (int, float)) and slo_s > 0 and math.isfinite(slo_s)):
-        raise InvalidArgumentError(f"slo_s must be a positive number of seconds, got {slo_s!r}")
-    if prior_mbps is not None and not prior_mbps > 0:
-        raise InvalidArgumentError(f"prior_mbps must be positive, got {prior_mbps!r}")
+    for name, value in (("slo_s", slo_s), ("prior_mbps", prior_mbps), ("compute_tps", compute_tps)):
+        if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):
+            raise InvalidArgumentError(f"{name} must be a positive finite number, got {value!r}")
     if level is not None:
-        codec._level(level)
+        level = codec.level_name(level)
     require_kv_cache(llm)  # before calibrating: no prefill of a model nothing could be loaded into
     table = dict(LEVEL_KL if kl_table is None else kl_table)
     store_url, key = chunks.split_manifest_url(url)
