@@ -107,8 +107,8 @@ LEVEL_KL: dict[str, float] = {
     TEXT: 0.0,
     "lossless": 0.0,
     "high": 0.0036,
-    "balanced": 0.0067,
-    "compact": 0.031,
+    "balanced": 0.0065,
+    "compact": 0.019,
 }
 # state bytes per level, as a fraction of f16: for chunks whose size no manifest recorded
 _GUESS_RATIO = {"lossless": 0.85, "high": 0.48, "balanced": 0.3, "compact": 0.22}
