@@ -918,9 +918,17 @@ class _Loader:
 
     def _wait_s(self, now: float) -> float:
         """How long to wait for the link before planning again: until the fetch in flight is due,
-        at least _TICK_S, at most a piece's compute time."""
+        at least _TICK_S, at most a piece's compute time; before the skeleton arrives, at most
+        until it turns late (when the CPU starts: _next_action)."""
         due = self._link_end(now) - now
-        return min(max(due, _TICK_S), _PIECE / (self.tps or 1.0) if self.both else 1.0)
+        wait = min(max(due, _TICK_S), _PIECE / (self.tps or 1.0) if self.both else 1.0)
+        skeleton = self.skeleton_job
+        if self.both and self.state is None and skeleton is not None and not skeleton.done.is_set():
+            front = next((k for k, d in enumerate(self.done) if not d), None)
+            late_at = None if front is None else skeleton.start + self._piece_s(front)
+            if late_at is not None and late_at > now:
+                wait = min(wait, late_at - now + 1e-3)
+        return wait
 
     def _fill(self) -> None:
         """Chunks into the buffer until every one is there."""
