@@ -21,12 +21,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import pytest
 from conftest import greedy, smollm
 from llama_cachegen import chunks, stores, stream
 from llama_cachegen.errors import CorruptDataError, InvalidArgumentError, StoreError
-from llama_cachegen.llama import Llama, capture_state, restore_state
+from llama_cachegen.llama import Llama, capture_state, restore_state, set_tokens
 from llama_cachegen.shaper import Relay, Trace, mbit
 
 N, C = 600, 128  # five chunks, the last one partial
@@ -98,6 +99,26 @@ def _manifest_bytes(url: str) -> bytes:
 def _continues(loader: Llama, original: dict[str, Any]) -> None:
     assert loader.n_tokens == N
     assert greedy(loader, original["prefix"]) == original["greedy"]
+
+
+def test_a_stopped_computation_keeps_the_positions_before_it(loader: Llama, original: dict[str, Any]) -> None:
+    """What a race relies on: llama.cpp's abort callback (the loader's, once the chunk's fetch has
+    arrived) stops a llama_decode call, which drops the stopped piece's positions and keeps the
+    ones before it; the context then computes on and continues as the original."""
+    prefix = np.array(original["prefix"], dtype=np.int32)
+    memory = llama_cpp.llama_get_memory(loader.ctx)
+    n_batch = int(loader.n_batch)
+    assert stream._decode_tokens(loader.ctx, prefix[:256], 0, 0, n_batch)
+    stop = llama_cpp.ggml_abort_callback(lambda _data: True)
+    llama_cpp.llama_set_abort_callback(loader.ctx, stop, None)
+    try:
+        assert not stream._decode_tokens(loader.ctx, prefix[256:288], 256, 0, n_batch)
+    finally:
+        llama_cpp.llama_set_abort_callback(loader.ctx, llama_cpp.ggml_abort_callback(), None)
+    assert llama_cpp.llama_memory_seq_pos_max(memory, 0) == 255
+    assert stream._decode_tokens(loader.ctx, prefix[256:], 256, 0, n_batch)
+    set_tokens(loader, None, prefix)
+    _continues(loader, original)
 
 
 @both_stores

@@ -24,13 +24,13 @@ and takes the plan with the lowest token-weighted KL that finishes within a shar
 left (_SLO_SHARE, less on a link whose rate has varied between chunks: `_share`) and at least
 _SLO_FLOOR of the SLO before its end, the earliest among equals; when none fits, the earliest.
 The link fetches its next chunk at that plan's level; the CPU computes the front chunk when the
-plan computes any. Races, both ways, in pieces of _PIECE tokens (_RACE_PIECE while a fetch of the
-chunk is in flight): when the only chunk left is in flight and not due within a piece's compute
-time, the CPU computes it too and stops as soon as the fetch arrives; when every chunk is decided
-and the link is free, it fetches the chunk the CPU computes if that plan is better (a text chunk
+plan computes any. Races, both ways: when the only chunk left is in flight and not due within a
+piece's compute time (_PIECE tokens), the CPU computes it too and stops as soon as the fetch
+arrives, within the llama_decode call (llama.cpp's abort callback; a model with a recurrent state,
+which cannot be cut back, between pieces of _RACE_PIECE tokens); when every chunk is decided and
+the link is free, it fetches the chunk the CPU computes if that plan is better (a text chunk
 begun on a rate estimate that turned out too slow), or if the CPU will be late and the latest
-fetch's rate would bring it first. A stalled link costs at most one chunk's compute time, a fast
-one at most one piece.
+fetch's rate would bring it first. A stalled link costs at most one chunk's compute time.
 
 Two corrections for a rate that changes under a plan:
 - A fetch past its prediction is measured as it goes (the bytes it has received over the last
@@ -123,7 +123,7 @@ _SLO_FLOOR = 0.05
 _SPREAD_Z = 1.0
 _PRIOR_SPREAD = 0.25
 _PIECE = 32  # tokens per llama_decode call of a text chunk: a computation can stop between pieces
-_RACE_PIECE = 8  # ... while a fetch of that chunk is in flight (smaller pieces compute slower)
+_RACE_PIECE = 8  # ... a recurrent model's while a fetch of it is in flight (smaller: slower)
 _RECENT_S = 0.3  # a late fetch's rate is measured over its last this many seconds
 _GIVE_UP_GAIN = 0.1  # ... by this share of the time to the finish that waiting for it would give
 _TICK_S = 0.05  # the assembly plans again at least this often while it waits for the link
@@ -212,8 +212,10 @@ class StreamReport(LoadReport):
 # ---- prefill speed --------------------------------------------------------------------------------
 
 
-def _decode_tokens(ctx: Any, tokens: np.ndarray, pos0: int, seq: int, n_batch: int) -> None:
-    """llama_decode of `tokens` at positions pos0.. in sequence `seq`, no logits kept but the last."""
+def _decode_tokens(ctx: Any, tokens: np.ndarray, pos0: int, seq: int, n_batch: int) -> bool:
+    """llama_decode of `tokens` at positions pos0.. in sequence `seq`, no logits kept but the last.
+    False: the context's abort callback stopped it (llama.cpp keeps the micro-batches it finished
+    and drops the positions of the one it stopped)."""
     batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
     try:
         for k in range(0, len(tokens), n_batch):
@@ -227,10 +229,13 @@ def _decode_tokens(ctx: Any, tokens: np.ndarray, pos0: int, seq: int, n_batch: i
                 batch.logits[j] = False
             batch.logits[len(part) - 1] = True
             status = llama_cpp.llama_decode(ctx, batch)
+            if status == 2:
+                return False
             if status != 0:
                 raise CacheGenError(f"llama_decode failed ({status}) computing positions {pos0 + k}..")
     finally:
         llama_cpp.llama_batch_free(batch)
+    return True
 
 
 def _tps_key(llm: llama_cpp.Llama) -> tuple[str, int]:
@@ -401,6 +406,10 @@ class _Loader:
         self.held = -1  # positions 0..held-1 of the buffer are what the context holds (-1: not ours)
         # a recurrent state is of the last position only: a prefix cannot be restored or cut back to
         self.recurrent = has_recurrent_state(llm)
+        # While a fetch of the chunk the CPU computes is in flight, llama.cpp's abort callback
+        # stops the computation as soon as the fetch arrives (between two nodes of its graph).
+        self.racing: _Job | None = None
+        self.abort_callback = llama_cpp.ggml_abort_callback(self._fetch_arrived)
         self.backup: tuple[np.ndarray | None] | None = None
         self.tps_key = _tps_key(llm)
         self.state: np.ndarray | None = None
@@ -1111,9 +1120,10 @@ class _Loader:
         first token), in pieces of _PIECE tokens, and spliced into the buffer (once there is one:
         before the skeleton arrives, the context keeps the chunks computed so far).
         Given up (_Stopped) as soon as a fetch of the chunk has arrived (not with `until`: a chunk
-        computed again ignores its fetches), or when the next piece and the read-back would end
-        after `until`; between pieces, a skeleton that arrived becomes the buffer and the link is
-        fed."""
+        computed again ignores its fetches), within a piece through llama.cpp's abort callback
+        (a recurrent state cannot be cut back: between shorter pieces), or when the next piece and
+        the read-back would end after `until`; between pieces, a skeleton that arrived becomes the
+        buffer and the link is fed."""
         rec = self.records[i]
         b, e = rec.begin, rec.end
         start = time.perf_counter()
@@ -1138,6 +1148,9 @@ class _Loader:
         llama_cpp.llama_memory_seq_rm(memory, seq, first, -1)
         with self.cv:
             self.computing = i
+        abortable = until is None and not self.recurrent
+        if abortable:
+            llama_cpp.llama_set_abort_callback(self.llm.ctx, self.abort_callback, None)
         try:
             p = first
             while p < e:
@@ -1160,18 +1173,25 @@ class _Loader:
                         raise _Stopped
                     skeleton = self.skeleton_job
                     self._feed()
-                    # a fetch of this chunk in flight: shorter pieces, to stop soon after it arrives
-                    # (within the chunk: a recurrent model's recomputation before it keeps _PIECE)
                     racing = self.jobs.get(i)
+                    self.racing = racing if abortable else None
+                    # a recurrent model, with a fetch of this chunk in flight: shorter pieces, to
+                    # stop soon after it arrives (its recomputation before the chunk keeps _PIECE)
                     idle = racing is None or racing.done.is_set() or p < b
-                    piece = _PIECE if idle else _RACE_PIECE
+                    piece = _PIECE if idle or abortable else _RACE_PIECE
                 if skeleton is not None and skeleton.done.is_set():
                     self._take_skeleton(skeleton)
                 q = min(e, p + piece)
                 self.held = -1
-                _decode_tokens(self.llm.ctx, self.tokens[p:q], p, seq, int(self.llm.n_batch))
-                self.held = p = q
+                if _decode_tokens(self.llm.ctx, self.tokens[p:q], p, seq, int(self.llm.n_batch)):
+                    p = q
+                else:  # stopped for the fetch: what it computed of the piece goes (the loop ends)
+                    llama_cpp.llama_memory_seq_rm(memory, seq, p, -1)
+                self.held = p
         finally:
+            if abortable:
+                self.racing = None
+                llama_cpp.llama_set_abort_callback(self.llm.ctx, llama_cpp.ggml_abort_callback(), None)
             rec.compute_ms += (time.perf_counter() - start) * 1e3
             with self.cv:
                 self.computing = None
@@ -1181,6 +1201,10 @@ class _Loader:
         if not self.tps_given:
             with self.cv:
                 self.tps = _tps_cache.get(self.tps_key, self.tps)
+
+    def _fetch_arrived(self, _data: Any) -> bool:
+        job = self.racing  # read on llama.cpp's thread: one attribute, set by the caller's thread
+        return job is not None and job.done.is_set() and job.error is None
 
     def _capture(self) -> np.ndarray | None:
         try:
