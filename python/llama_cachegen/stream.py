@@ -69,6 +69,8 @@ bench/streaming.py on SmolLM2-135M over a 256-token teacher-forced continuation;
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import threading
 import time
@@ -236,6 +238,21 @@ def _decode_tokens(ctx: Any, tokens: np.ndarray, pos0: int, seq: int, n_batch: i
     finally:
         llama_cpp.llama_batch_free(batch)
     return True
+
+
+@contextlib.contextmanager
+def _warnings_unprinted() -> Any:
+    """Keeps llama.cpp's warnings off stderr, unless llama-cpp-python is verbose: it prints them as
+    errors (its table predates ggml's log levels), and a llama_decode that the abort callback
+    stops warns that it removed the stopped positions, which is what the loader wants."""
+    logger = logging.getLogger("llama-cpp-python")
+    level = logger.level
+    if level >= logging.ERROR:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _tps_key(llm: llama_cpp.Llama) -> tuple[str, int]:
@@ -406,9 +423,9 @@ class _Loader:
         self.held = -1  # positions 0..held-1 of the buffer are what the context holds (-1: not ours)
         # a recurrent state is of the last position only: a prefix cannot be restored or cut back to
         self.recurrent = has_recurrent_state(llm)
-        # While a fetch of the chunk the CPU computes is in flight, llama.cpp's abort callback
-        # stops the computation as soon as the fetch arrives (between two nodes of its graph).
-        self.racing: _Job | None = None
+        # The chunk the CPU computes where a fetch of it that arrives stops the computation, within
+        # llama_decode (llama.cpp's abort callback, between two nodes of its graph).
+        self.abortable: int | None = None
         self.abort_callback = llama_cpp.ggml_abort_callback(self._fetch_arrived)
         self.backup: tuple[np.ndarray | None] | None = None
         self.tps_key = _tps_key(llm)
@@ -1150,6 +1167,7 @@ class _Loader:
             self.computing = i
         abortable = until is None and not self.recurrent
         if abortable:
+            self.abortable = i
             llama_cpp.llama_set_abort_callback(self.llm.ctx, self.abort_callback, None)
         try:
             p = first
@@ -1174,7 +1192,6 @@ class _Loader:
                     skeleton = self.skeleton_job
                     self._feed()
                     racing = self.jobs.get(i)
-                    self.racing = racing if abortable else None
                     # a recurrent model, with a fetch of this chunk in flight: shorter pieces, to
                     # stop soon after it arrives (its recomputation before the chunk keeps _PIECE)
                     idle = racing is None or racing.done.is_set() or p < b
@@ -1183,14 +1200,16 @@ class _Loader:
                     self._take_skeleton(skeleton)
                 q = min(e, p + piece)
                 self.held = -1
-                if _decode_tokens(self.llm.ctx, self.tokens[p:q], p, seq, int(self.llm.n_batch)):
+                with _warnings_unprinted() if abortable else contextlib.nullcontext():
+                    computed = _decode_tokens(self.llm.ctx, self.tokens[p:q], p, seq, int(self.llm.n_batch))
+                if computed:
                     p = q
                 else:  # stopped for the fetch: what it computed of the piece goes (the loop ends)
                     llama_cpp.llama_memory_seq_rm(memory, seq, p, -1)
                 self.held = p
         finally:
             if abortable:
-                self.racing = None
+                self.abortable = None
                 llama_cpp.llama_set_abort_callback(self.llm.ctx, llama_cpp.ggml_abort_callback(), None)
             rec.compute_ms += (time.perf_counter() - start) * 1e3
             with self.cv:
@@ -1203,7 +1222,10 @@ class _Loader:
                 self.tps = _tps_cache.get(self.tps_key, self.tps)
 
     def _fetch_arrived(self, _data: Any) -> bool:
-        job = self.racing  # read on llama.cpp's thread: one attribute, set by the caller's thread
+        """On llama.cpp's thread, with the GIL: what _compute's loop takes as an arrival (whatever
+        stops the call, the loop sees it next, or computes the piece again)."""
+        i = self.abortable
+        job = None if i is None else self.jobs.get(i)
         return job is not None and job.done.is_set() and job.error is None
 
     def _capture(self) -> np.ndarray | None:
