@@ -74,7 +74,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,7 +241,7 @@ def _decode_tokens(ctx: Any, tokens: np.ndarray, pos0: int, seq: int, n_batch: i
 
 
 @contextlib.contextmanager
-def _warnings_unprinted() -> Any:
+def _warnings_unprinted() -> Iterator[None]:
     """Keeps llama.cpp's warnings off stderr, unless llama-cpp-python is verbose: it prints them as
     errors (its table predates ggml's log levels), and a llama_decode that the abort callback
     stops warns that it removed the stopped positions, which is what the loader wants."""
