@@ -423,9 +423,8 @@ class _Loader:
         self.held = -1  # positions 0..held-1 of the buffer are what the context holds (-1: not ours)
         # a recurrent state is of the last position only: a prefix cannot be restored or cut back to
         self.recurrent = has_recurrent_state(llm)
-        # The chunk the CPU computes where a fetch of it that arrives stops the computation, within
-        # llama_decode (llama.cpp's abort callback, between two nodes of its graph).
-        self.abortable: int | None = None
+        # set on the context while a fetch of the chunk computed (`computing`) that arrives may stop
+        # the computation within llama_decode (between two nodes of its graph)
         self.abort_callback = llama_cpp.ggml_abort_callback(self._fetch_arrived)
         self.backup: tuple[np.ndarray | None] | None = None
         self.tps_key = _tps_key(llm)
@@ -683,7 +682,8 @@ class _Loader:
             j = undecided[-1]
         else:
             j = undecided[0]
-            front = next((k for k, d in enumerate(self.done) if not d), len(self.done))
+            front = self._front()
+            front = len(self.done) if front is None else front
             if j > front + _LOOKAHEAD:
                 return
         now = time.perf_counter()
@@ -901,7 +901,7 @@ class _Loader:
         arrived = [j for j in self.jobs.values() if j.done.is_set()]
         if arrived:
             return "take", min(arrived, key=lambda j: j.index)
-        front = next((k for k, d in enumerate(self.done) if not d), None)
+        front = self._front()
         if front is None:
             again = self._recomputable(now)
             if not again:
@@ -934,6 +934,10 @@ class _Loader:
             return "race", job
         return None
 
+    def _front(self) -> int | None:
+        """The first chunk not in the buffer (None: every one is)."""
+        return next((k for k, d in enumerate(self.done) if not d), None)
+
     def _piece_s(self, i: int) -> float:
         return min(_PIECE, self.ranges[i][1] - self.ranges[i][0]) / (self.tps or 1.0)
 
@@ -950,7 +954,7 @@ class _Loader:
         wait = min(max(due, _TICK_S), _PIECE / (self.tps or 1.0) if self.both else 1.0)
         skeleton = self.skeleton_job
         if self.both and self.state is None and skeleton is not None and not skeleton.done.is_set():
-            front = next((k for k, d in enumerate(self.done) if not d), None)
+            front = self._front()
             late_at = None if front is None else skeleton.start + self._piece_s(front)
             if late_at is not None and late_at > now:
                 wait = min(wait, late_at - now + 1e-3)
@@ -958,7 +962,6 @@ class _Loader:
 
     def _fill(self) -> None:
         """Chunks into the buffer until every one is there."""
-        n = len(self.ranges)
         while True:
             with self.cv:
                 self._feed()
@@ -978,7 +981,9 @@ class _Loader:
                         # nothing but the clock. The front chunk is computed instead.
                         if not self.text_ok:
                             raise CacheGenError("the stream has nothing to fetch and may not compute text")
-                        self._claim(next(k for k in range(n) if not self.done[k]), "stalled")
+                        front = self._front()
+                        assert front is not None  # not complete
+                        self._claim(front, "stalled")
                         continue
                     self.cv.wait(self._wait_s(now))
                     continue
@@ -992,7 +997,8 @@ class _Loader:
             if kind == "recompute":
                 self._recompute(job)
                 continue
-            i = job.index if kind == "race" else next(k for k in range(n) if not self.done[k])
+            i = job.index if kind == "race" else self._front()
+            assert i is not None  # a chunk to compute (_next_action)
             try:
                 self._compute(i)
             except _Stopped:
@@ -1167,7 +1173,6 @@ class _Loader:
             self.computing = i
         abortable = until is None and not self.recurrent
         if abortable:
-            self.abortable = i
             llama_cpp.llama_set_abort_callback(self.llm.ctx, self.abort_callback, None)
         try:
             p = first
@@ -1209,7 +1214,6 @@ class _Loader:
                 self.held = p
         finally:
             if abortable:
-                self.abortable = None
                 llama_cpp.llama_set_abort_callback(self.llm.ctx, llama_cpp.ggml_abort_callback(), None)
             rec.compute_ms += (time.perf_counter() - start) * 1e3
             with self.cv:
@@ -1224,7 +1228,7 @@ class _Loader:
     def _fetch_arrived(self, _data: Any) -> bool:
         """On llama.cpp's thread, with the GIL: what _compute's loop takes as an arrival (whatever
         stops the call, the loop sees it next, or computes the piece again)."""
-        i = self.abortable
+        i = self.computing
         job = None if i is None else self.jobs.get(i)
         return job is not None and job.done.is_set() and job.error is None
 
