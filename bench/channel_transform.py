@@ -1,25 +1,36 @@
-"""What a calibrated channel basis (PCA per K/V tensor, KVTC-style) would gain, before building it.
+"""What a calibrated channel basis (PCA per K/V tensor, KVTC-style) would gain, before building it,
+and how the error should be spread over channels: bits at equal squared error, and KL at equal size.
 
     python bench/channel_transform.py [--model M.gguf] [--tokens 2048] [--calibrate gpl-3.0.txt]
 
-For each K/V tensor of a held-out text's state: the order-0 entropy of the symbols of plain coding
-(one step per group of 8 channels, `--rel` x the group's RMS deviation, as the fixed-step levels)
-against the same tensor rotated into the principal axes fitted on the calibration text's state
-(one step for every component, chosen for the same squared error: a rotation keeps it). The ratio
-of total bits is the coding gain at equal MSE; "self" fits the basis on the state it codes (the
-bound a per-state basis would reach, before paying for the basis). Equal MSE is not equal KL: the
-error moves between channels.
+Each K/V tensor of a held-out text's state is coded in numpy as the codec codes it without its
+refinements (no shrink, no raw bits; order-0 entropy of each group of 8 channels' symbols, as one
+frequency table each; the first 4 rows exact):
+
+- "per-group steps": one step per group of 8 channels, `rel` x the group's RMS deviation (the
+  codec's rule until 2026-12);
+- then the tensor in a basis (none: its channels, as the codec codes them today; calibrated: the
+  principal axes fitted on the calibration text's state; self: fitted on the state it codes, the
+  bound a per-state basis reaches before paying for it), a step per component of `c` x its
+  deviation^gamma (gamma 0: one step for all, the codec's rule since 2026-12; 0.5: between), `c`
+  chosen for the per-group coding's squared error ("= MSE") or for its size ("= bits").
+
+The decoded states are loaded into llama.cpp and scored as the levels are (teacher-forced KL over
+the continuation against the untouched state).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 from common import Config
-from kvstate import read_layout
+from kvstate import f16_kv
 from llama_cachegen import quality
 from llama_cachegen.model import default_model_path, sample_text
 
@@ -27,61 +38,147 @@ GROUP = 8
 SINKS = 4  # rows kept exact by the levels
 
 
-def tensors(state: bytes) -> list[np.ndarray]:
-    """Each K/V tensor as cells x channels, float64."""
-    lay = read_layout(state)
-    out = []
-    for t in lay.tensors:
-        a = np.frombuffer(state, np.float16, count=t.size // 2, offset=t.offset).astype(np.float64)
-        out.append(a.reshape(-1, lay.n_cells).T if t.transposed else a.reshape(lay.n_cells, -1))
-    return out
+def group_bits(q: np.ndarray) -> float:
+    """Order-0 entropy in bits of each group of GROUP columns' symbols, summed (one table each)."""
+    bits = 0.0
+    for g in range(0, q.shape[1], GROUP):
+        block = q[:, g : g + GROUP].ravel()
+        counts = np.bincount(block - block.min())
+        p = counts[counts > 0] / block.size
+        bits -= float((p * np.log2(p)).sum()) * block.size
+    return bits
 
 
-def entropy_bits(q: np.ndarray) -> float:
-    """Order-0 entropy of q's values, in bits, times its length."""
-    _, counts = np.unique(q, return_counts=True)
-    p = counts / counts.sum()
-    return float(-(p * np.log2(p)).sum() * q.size)
+Coded = tuple[np.ndarray, float, float]  # decoded rows, bits, squared error
+
+
+class Tensor:
+    """One K/V tensor's non-sink rows (float64) and what coding them needs."""
+
+    def __init__(self, x: np.ndarray, basis: np.ndarray) -> None:
+        self.x = x
+        self.mean = x.mean(0)
+        self.basis = basis
+        self.y = (x - self.mean) @ basis
+        self.y_sd = self.y.std(0) + 1e-12
+        sd = x.std(0)
+        group_var = np.add.reduceat(sd**2, np.arange(0, x.shape[1], GROUP)) / GROUP
+        self.group_rms = np.repeat(np.sqrt(group_var), GROUP)[: x.shape[1]]
+
+    def per_group(self, rel: float) -> Coded:
+        step = rel * self.group_rms + 1e-12
+        q = np.round((self.x - self.mean) / step).astype(np.int64)
+        xhat = self.mean + q * step
+        return xhat, group_bits(q), float(((xhat - self.x) ** 2).sum())
+
+    def pca(self, c: float, gamma: float, decode: bool = True) -> Coded:
+        """Decoded rows (with `decode`), bits, squared error (a rotation keeps it: measured on y)."""
+        step = c * self.y_sd**gamma
+        q = np.round(self.y / step).astype(np.int64)
+        yhat = q * step
+        xhat = self.mean + yhat @ self.basis.T if decode else yhat
+        return xhat, group_bits(q), float(((yhat - self.y) ** 2).sum())
+
+
+def fit_basis(x: np.ndarray) -> np.ndarray:
+    """Principal axes of x's rows, largest variance first."""
+    _, basis = np.linalg.eigh(np.cov((x - x.mean(0)).T))
+    return basis[:, ::-1]
+
+
+def solve(f: Callable[[float], float], target: float, increasing: bool) -> float:
+    """c > 0 with f(c) ~ target, by bisection on log c (f monotonic)."""
+    lo, hi = 1e-4, 1e4
+    for _ in range(24):
+        mid = np.sqrt(lo * hi)
+        if (f(mid) < target) == increasing:
+            lo = mid
+        else:
+            hi = mid
+    return float(np.sqrt(lo * hi))
+
+
+@dataclass
+class Case:
+    """A held-out text's state and the logits it gives."""
+
+    llm: llama_cpp.Llama
+    state: bytes
+    prefix: list[int]
+    cont: list[int]
+    ref: np.ndarray
+
+    def score(self, parts: list[Coded]) -> tuple[float, float, float]:
+        """Bits per element, squared error and KL of the state with every tensor decoded."""
+        out = f16_kv(self.state)
+        for dst, (xhat, _, _) in zip(out.tensors, parts, strict=True):
+            dst[SINKS:] = xhat.astype(np.float16)
+        logits = quality.continuation_logits(self.llm, bytes(out.raw), self.prefix, self.cont)
+        kl = quality.compare_logits(self.ref, logits, self.cont)["kl"]
+        n_elements = sum(xhat.size for xhat, _, _ in parts)
+        return sum(p[1] for p in parts) / n_elements, sum(p[2] for p in parts), kl
+
+
+def in_basis(tensors: list[Tensor], per_group: list[Coded], gamma: float, how: str) -> list[Coded]:
+    """Each tensor in its basis at the per-group coding's squared error, then (`= bits`) one factor
+    on every step for its total size."""
+    cs = [
+        solve(lambda c, t=t: t.pca(c, gamma, False)[2], p[2], True)
+        for t, p in zip(tensors, per_group, strict=True)
+    ]
+    scale = 1.0
+    if how == "= bits":
+        target = sum(p[1] for p in per_group)
+        scale = solve(
+            lambda s: sum(t.pca(c * s, gamma, False)[1] for t, c in zip(tensors, cs, strict=True)),
+            target,
+            False,
+        )
+    return [t.pca(c * scale, gamma) for t, c in zip(tensors, cs, strict=True)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--cont", type=int, default=128, help="continuation tokens scored for KL")
     ap.add_argument("--calibrate", default="gpl-3.0.txt")
-    ap.add_argument("--rel", type=float, default=0.40, help="step in group deviations (balanced's fixed one)")
+    ap.add_argument("--rel", type=float, nargs="+", default=[0.4, 0.9], help="per-group steps, in deviations")
     args = ap.parse_args()
     model = args.model or default_model_path()
     texts = Config.make(False, model, Path(".")).texts
-    llm = quality.make_llama(model, n_ctx=args.tokens + 8, n_threads=2)
+    llm = quality.make_llama(model, n_ctx=args.tokens + args.cont + 8, n_threads=2)
 
-    def state(text: str) -> list[np.ndarray]:
-        tokens = llm.tokenize(sample_text(text).encode(), add_bos=True)[: args.tokens]
-        return tensors(quality.state_of(llm, tokens))
+    def tokens_of(text: str) -> list[int]:
+        return llm.tokenize(sample_text(text).encode(), add_bos=True)[: args.tokens + args.cont]
 
-    calibration = state(args.calibrate)
-    print("| held-out text | plain bits/element | PCA (calibrated) / plain | PCA (self) / plain |")
-    print("|---|---|---|---|")
+    calibration = f16_kv(quality.state_of(llm, tokens_of(args.calibrate)[: args.tokens])).tensors
+    bases = [fit_basis(t[SINKS:].astype(np.float64)) for t in calibration]
+    print("| held-out text | rel | method | bits/element | squared error / per-group | KL |")
+    print("|---|---|---|---|---|---|")
     for text in (t for t in texts if t != args.calibrate):
-        plain = calibrated = self_fit = 0.0
-        elements = 0
-        for cal, x in zip(calibration, state(text), strict=True):
-            cal, x = cal[SINKS:], x[SINKS:]
-            mean, sd = x.mean(0), x.std(0)
-            group_rms = np.sqrt(np.add.reduceat(sd**2, np.arange(0, x.shape[1], GROUP)) / GROUP)
-            steps = np.repeat(args.rel * group_rms + 1e-12, GROUP)[: x.shape[1]]
-            plain += sum(entropy_bits(np.round((x[:, j] - mean[j]) / steps[j])) for j in range(x.shape[1]))
-            step = np.sqrt(np.mean(steps**2))  # the same squared error, one step for all components
-            for fit, acc in ((cal, "cal"), (x, "self")):
-                _, basis = np.linalg.eigh(np.cov((fit - fit.mean(0)).T))
-                y = (x - mean) @ basis
-                bits = sum(entropy_bits(np.round(y[:, j] / step)) for j in range(y.shape[1]))
-                if acc == "cal":
-                    calibrated += bits
-                else:
-                    self_fit += bits
-            elements += x.size
-        print(f"| {text} | {plain / elements:.3f} | {calibrated / plain:.3f} | {self_fit / plain:.3f} |")
+        toks = tokens_of(text)
+        prefix, cont = toks[: args.tokens], toks[args.tokens :]
+        state = quality.state_of(llm, prefix)
+        case = Case(llm, state, prefix, cont, quality.continuation_logits(llm, state, prefix, cont))
+        for fit in ("none", "calibrated", "self"):
+            tensors = []
+            for t, basis in zip(f16_kv(state).tensors, bases, strict=True):
+                x = t[SINKS:].astype(np.float64)
+                own = {"none": np.eye(x.shape[1]), "calibrated": basis, "self": fit_basis(x)}[fit]
+                tensors.append(Tensor(x, own))
+            for rel in args.rel:
+                per_group = [t.per_group(rel) for t in tensors]
+                bits, err, kl = case.score(per_group)
+                if fit == "none":
+                    print(f"| {text} | {rel:g} | per-group steps | {bits:.3f} | 1 | {kl:.4f} |", flush=True)
+                for gamma in (0.0, 0.5):
+                    for how in ("= MSE", "= bits"):
+                        b, e, k = case.score(in_basis(tensors, per_group, gamma, how))
+                        method = f"basis {fit}, gamma {gamma:g}, {how}"
+                        print(
+                            f"| {text} | {rel:g} | {method} | {b:.3f} | {e / err:.3f} | {k:.4f} |", flush=True
+                        )
     return 0
 
 

@@ -120,8 +120,8 @@ typedef struct {
      * llama.cpp's reference cache type (high: q8_0, balanced: q5_1, compact: q4_0) makes on that
      * same tensor. Setting k_step or v_step switches to fixed steps instead.                   */
     float   error_scale;    /* our squared error / the reference cache type's, per tensor       */
-    float   k_step;         /* K quantization step in channel standard deviations (last layer)  */
-    float   v_step;         /* V quantization step in channel standard deviations (last layer)  */
+    float   k_step;         /* K step in the tensor's RMS channel deviation (last layer)         */
+    float   v_step;         /* V step in the tensor's RMS channel deviation (last layer)         */
     float   first_layer_scale; /* step of layer 0 = this x the last layer's; linear in between  */
     int32_t n_sink_tokens;  /* cells with position < this are stored exactly                     */
     /* Opaque bytes stored (checksummed) in the container, e.g. the caller's model fingerprint.  */

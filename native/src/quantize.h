@@ -21,7 +21,7 @@ constexpr uint8_t SYM_ESCAPE = lanes::SYM_ESCAPE;
 // instead of multiples of a spread tuned on one model. Fixed steps (ref_type < 0) are the expert
 // knobs k_step / v_step.
 struct QuantKnobs {
-    float k_step;             // fixed steps: in channel-group standard deviations, at the last layer
+    float k_step;             // fixed steps: in the tensor's RMS channel deviation, at the last layer
     float v_step;
     float first_layer_scale;  // layer 0's step relative to the last layer's
     int32_t n_sink_tokens;    // cells with position < this are stored exactly

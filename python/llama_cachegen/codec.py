@@ -232,13 +232,13 @@ def encode(
 
     A lossy level sets each tensor's step so that its squared error is `error_scale` times the
     error of llama.cpp's reference cache type for the level (q8_0, q5_1, q4_0) on that tensor.
-    `k_step`, `v_step` (fixed steps in channel standard deviations), `first_layer_scale` and `sink_tokens`
-    override the level's preset; `slice_elements` (a multiple of 32, default 65536) is how many
-    symbols each independently decodable slice of a stream codes; `transform="anchor-delta"`
-    codes each token of a group of `anchor_tokens` (default 10) as its difference from the group's
-    first (CacheGen's grouping; CPU decode only); `rope` (a `Rope`, e.g. `model_rope(llm)`) codes
-    keys rotated back by their position where that shrinks them (CPU decode only); `user_meta` is
-    stored verbatim (checksummed) in the container.
+    `k_step`, `v_step` (fixed steps in the tensor's RMS channel deviation), `first_layer_scale`
+    and `sink_tokens` override the level's preset; `slice_elements` (a multiple of 32, default
+    65536) is how many symbols each independently decodable slice of a stream codes;
+    `transform="anchor-delta"` codes each token of a group of `anchor_tokens` (default 10) as its
+    difference from the group's first (CacheGen's grouping; CPU decode only); `rope` (a `Rope`,
+    e.g. `model_rope(llm)`) codes keys rotated back by their position where that shrinks them (CPU
+    decode only); `user_meta` is stored verbatim (checksummed) in the container.
     """
     params = _params(
         level,
