@@ -18,9 +18,9 @@ constexpr float MIN_STEP = 6.103515625e-05f;  // smallest normal f16
 // texts at 2,048 tokens; asyncio's source, a German man page, `man bash` at 300-4,096), Gemma 3
 // 270M (interleaved sliding window, one KV head of 256 channels) and Qwen2.5-Coder 0.5B, texts that
 // are not in the repo. A single text's KL over 256 tokens moves by +-20% between nearby scales, so
-// the scales keep that margin below the reference on the tightest case, SmolLM2 on German (KL
-// rises steeply there: compact 0.72 of q4_0's at 2.0, 1.35 at 3.0; balanced 0.78 of q5_1's at
-// 2.55, 0.94 at 3.4). With one step per tensor (tensor_codec.cpp) a squared error costs less KL
+// the scales keep about that margin below the reference on the tightest cases: SmolLM2 on German,
+// where KL rises steeply (compact 0.72 of q4_0's at 2.0, 1.35 at 3.0; balanced 0.78 of q5_1's at
+// 2.55, 0.94 at 3.4), and Gemma 3 on asyncio's source at 3,000 tokens (compact 0.90 at 2.0). With one step per tensor (tensor_codec.cpp) a squared error costs less KL
 // than with a step per channel group, so `balanced` rose from 1.7 and `high` from 0.6. `high`
 // sits at the model's noise floor (a smaller scale does not lower its KL there): it takes q8_0's
 // own squared error.
