@@ -1181,7 +1181,7 @@ class _Loader:
                     if self.tps:
                         self.cpu_free = time.perf_counter() + (e - p) / self.tps
                     job = self.jobs.get(i)
-                    arrived = until is None and job is not None and job.done.is_set() and job.error is None
+                    arrived = until is None and self._fetch_arrived(None)  # a fetch of `computing` (i)
                     end = time.perf_counter() + self._piece_s(i) + self._readback_s(i)
                     late = until is not None and end > until
                     if arrived or late:
