@@ -225,6 +225,28 @@ def test_a_fetch_stalled_by_a_drop_is_given_up_and_computed(
     _continues(loader, original)
 
 
+def test_past_the_slo_nothing_waits_for_the_link(
+    relay: tuple[Relay, str], stores_saved: dict[str, str], loader: Llama, original: dict[str, Any]
+) -> None:
+    """Estimates that fail for good: an oracle promises an instant link while the link stalls
+    (2 kB/s) once the skeleton is in, so every plan keeps waiting for fetches. Past the SLO's last
+    moment the CPU computes the front chunks anyway and races the one in flight: the load ends
+    a prefill after the SLO, not after the store's timeouts (each fetch waits 60 s for its reply)."""
+    r, url = relay
+    direct = stores_saved["http"]
+    store_url, _ = chunks.split_manifest_url(direct)
+    m = chunks.read_manifest(direct)
+    with stores.open_store(store_url) as store:
+        skeleton = len(store.get(chunks._skeleton_key(m.skeleton)))
+    r.switch_after(len(_manifest_bytes(direct)) + skeleton + 1024, Trace.constant(2000.0))
+    report = stream.load_streaming(loader, url, slo_s=1.0, oracle=lambda _nbytes: 0.0)
+    assert report.text_chunks == list(range(CHUNKS))
+    reasons = [rec.reason for rec in report.records]
+    assert "late" in reasons and set(reasons) <= {"late", "raced"}, reasons
+    assert report.failures == [] and report.fallback is None
+    _continues(loader, original)
+
+
 def test_chunks_fetched_low_are_fetched_again_better_while_time_is_left(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:

@@ -30,7 +30,9 @@ arrives, within the llama_decode call (llama.cpp's abort callback; a model with 
 which cannot be cut back, between pieces of _RACE_PIECE tokens); when every chunk is decided and
 the link is free, it fetches the chunk the CPU computes if that plan is better (a text chunk
 begun on a rate estimate that turned out too slow), or if the CPU will be late and the latest
-fetch's rate would bring it first. A stalled link costs at most one chunk's compute time.
+fetch's rate would bring it first. A stalled link costs at most one chunk's compute time. Past
+the SLO's last moment (less _SLO_FLOOR and the restore), whatever the estimates say, nothing waits
+for the link: the CPU computes the front chunk (reason "late"), racing its fetch if it has one.
 
 Two corrections for a rate that changes under a plan:
 - A fetch past its prediction is measured as it goes (the bytes it has received over the last
@@ -145,7 +147,7 @@ class ChunkRecord:
     begin: int
     end: int
     level: str = ""  # a level name, or "text" (computed by llama.cpp)
-    reason: str = ""  # why: best, budget, fastest, first, fixed, parallel, raced, stalled, failed
+    reason: str = ""  # why: best, budget, fastest, first, fixed, parallel, late, raced, stalled, failed
     bytes: int = 0  # fetched for this chunk (its statistics too, the first time they are named)
     fetch_ms: float = 0.0  # wall time of the fetches that were used (or abandoned)
     decode_ms: float = 0.0
@@ -920,14 +922,21 @@ class _Loader:
                 self._claim(front, "parallel")
                 return "compute", None
             return None
+        # Past _latest nothing waits for the link (whose estimates have failed): the CPU computes
+        # the front chunk, racing its fetch if one is in flight.
+        overdue = now >= self._latest()
         if self.plan[front] is None:
-            plan = self._best(self._undecided(), now)
-            if plan is not None and plan.text >= 1:
-                self._claim(front, "parallel")
+            plan = None if overdue else self._best(self._undecided(), now)
+            if overdue or plan is not None and plan.text >= 1:
+                self._claim(front, "late" if overdue else "parallel")
                 return "compute", None
             return None
         job = self.jobs.get(front)
-        if job is None or self._undecided():
+        if job is None:
+            return None
+        if overdue:
+            return "race", job
+        if self._undecided():
             return None
         # the last chunk left is in flight: compute it unless it is due within one piece's time
         if self._link_end(now) - now > self._piece_s(front):
