@@ -36,20 +36,24 @@ PY="$VENV/bin/python"
 # native build on a Xeon with AMX takes ggml's AMX matmul, which segfaults in the first
 # llama_decode on machines whose kernel does not hand out the AMX tile state.
 WHEELS=$CACHE/wheels/ggml-native-off
-installed=$("$PY" -c "import llama_cpp, pathlib; print(llama_cpp.__version__, pathlib.Path(llama_cpp.__file__).parent)" 2>/dev/null || true)
+llama_cpp_info() {  # "<version> <package directory>" of the installed llama_cpp
+    "$PY" -c "import llama_cpp, pathlib; print(llama_cpp.__version__, pathlib.Path(llama_cpp.__file__).parent)"
+}
+installed=$(llama_cpp_info 2>/dev/null || true)
 if [ "${installed%% *}" != "$LLAMA_CPP_PYTHON" ] || [ ! -f "${installed#* }/.ggml-native-off" ]; then
     mkdir -p "$WHEELS"
     wheel=$(ls "$WHEELS"/llama_cpp_python-$LLAMA_CPP_PYTHON-*.whl 2>/dev/null | head -n1 || true)
     if [ -z "$wheel" ]; then
         log "building llama-cpp-python $LLAMA_CPP_PYTHON (once; cached in $WHEELS)"
-        CMAKE_ARGS="-DGGML_NATIVE=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip wheel -q --no-deps --no-cache-dir \
-            "llama-cpp-python==$LLAMA_CPP_PYTHON" -w "$WHEELS"
+        CMAKE_ARGS="-DGGML_NATIVE=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+            "$PY" -m pip wheel -q --no-deps --no-cache-dir "llama-cpp-python==$LLAMA_CPP_PYTHON" -w "$WHEELS"
         wheel=$(ls "$WHEELS"/llama_cpp_python-$LLAMA_CPP_PYTHON-*.whl | head -n1)
     fi
     log "installing $(basename "$wheel")"
     "$PY" -m pip install -q --force-reinstall --no-deps "$wheel"
     "$PY" -m pip install -q "$wheel"  # its dependencies, where missing
-    touch "$("$PY" -c "import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent)")/.ggml-native-off"
+    installed=$(llama_cpp_info)
+    touch "${installed#* }/.ggml-native-off"
 fi
 
 log "building and installing llama-cachegen"
