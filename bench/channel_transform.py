@@ -1,7 +1,7 @@
 """What a calibrated channel basis (PCA per K/V tensor, KVTC-style) would gain, before building it,
 and how the error should be spread over channels: bits at equal squared error, and KL at equal size.
 
-    python bench/channel_transform.py [--model M.gguf] [--tokens 2048] [--calibrate gpl-3.0.txt]
+    python bench/channel_transform.py [--model M.gguf] [--tokens 2048] [--calibrate gpl-3.0.txt] [--block 64]
 
 Each K/V tensor of a held-out text's state is coded in numpy as the codec codes it without its
 refinements (no shrink, no raw bits; order-0 entropy of each group of 8 channels' symbols, as one
@@ -80,10 +80,16 @@ class Tensor:
         return xhat, group_bits(q), float(((yhat - self.y) ** 2).sum())
 
 
-def fit_basis(x: np.ndarray) -> np.ndarray:
-    """Principal axes of x's rows, largest variance first."""
-    _, basis = np.linalg.eigh(np.cov((x - x.mean(0)).T))
-    return basis[:, ::-1]
+def fit_basis(x: np.ndarray, block: int = 0) -> np.ndarray:
+    """Principal axes of x's rows, largest variance first; with `block`, of each block of that many
+    channels on its own (a KV head: a basis of head_dim^2 per head instead of the tensor width^2)."""
+    width = x.shape[1]
+    block = block or width
+    basis = np.zeros((width, width))
+    for b in range(0, width, block):
+        _, axes = np.linalg.eigh(np.cov((x[:, b : b + block] - x[:, b : b + block].mean(0)).T))
+        basis[b : b + block, b : b + block] = axes[:, ::-1]
+    return basis
 
 
 def solve(f: Callable[[float], float], target: float, increasing: bool) -> float:
@@ -143,6 +149,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--cont", type=int, default=128, help="continuation tokens scored for KL")
     ap.add_argument("--calibrate", default="gpl-3.0.txt")
+    ap.add_argument("--block", type=int, default=0, help="channels per basis (0: the tensor's width)")
+    ap.add_argument("--gammas", type=float, nargs="+", default=[0.0, 0.5])
     ap.add_argument("--rel", type=float, nargs="+", default=[0.4, 0.9], help="per-group steps, in deviations")
     args = ap.parse_args()
     model = args.model or default_model_path()
@@ -153,7 +161,7 @@ def main() -> int:
         return llm.tokenize(sample_text(text).encode(), add_bos=True)[: args.tokens + args.cont]
 
     calibration = f16_kv(quality.state_of(llm, tokens_of(args.calibrate)[: args.tokens])).tensors
-    bases = [fit_basis(t[SINKS:].astype(np.float64)) for t in calibration]
+    bases = [fit_basis(t[SINKS:].astype(np.float64), args.block) for t in calibration]
     print("| held-out text | rel | method | bits/element | squared error / per-group | KL |")
     print("|---|---|---|---|---|---|")
     for text in (t for t in texts if t != args.calibrate):
@@ -165,14 +173,14 @@ def main() -> int:
             tensors = []
             for t, basis in zip(f16_kv(state).tensors, bases, strict=True):
                 x = t[SINKS:].astype(np.float64)
-                own = {"none": np.eye(x.shape[1]), "calibrated": basis, "self": fit_basis(x)}[fit]
+                own = {"none": np.eye(x.shape[1]), "calibrated": basis, "self": fit_basis(x, args.block)}[fit]
                 tensors.append(Tensor(x, own))
             for rel in args.rel:
                 per_group = [t.per_group(rel) for t in tensors]
                 bits, err, kl = case.score(per_group)
                 if fit == "none":
                     print(f"| {text} | {rel:g} | per-group steps | {bits:.3f} | 1 | {kl:.4f} |", flush=True)
-                for gamma in (0.0, 0.5):
+                for gamma in args.gammas:
                     for how in ("= MSE", "= bits"):
                         b, e, k = case.score(in_basis(tensors, per_group, gamma, how))
                         method = f"basis {fit}, gamma {gamma:g}, {how}"
