@@ -10,8 +10,9 @@ relative to this machine's break-even bandwidth BE = balanced bytes per token x 
 (prefill, no link), raw f16 state fetch, each fixed level (the streaming pipeline without
 adaptation), adaptive (measured throughput; no prior: the first chunk's level from the skeleton's
 fetch) and adaptive with an oracle (the relay's trace). TTFT = time to a loaded context + one token's decode
-(measured once). A fixed method whose transfer alone would exceed the cap (1.5 x the largest SLO)
-on a trace is not run there and counts as a miss. Quality: mean KL over a teacher-forced
+(measured once). A fixed method whose transfer alone would exceed the cap (1.5 x the largest SLO;
+3 x on the constant trace the decode hiding is measured on) on a trace is not run there and counts
+as a miss. Quality: mean KL over a teacher-forced
 continuation per level, measured once; a mix is weighted by tokens (text and lossless: 0).
 Writes streaming.md, streaming.json and streaming.png into --out.
 """
@@ -52,6 +53,11 @@ RANDOM_BE = (0.1, 10.0)  # log-uniform per period
 PERIOD_TOKENS = 64
 CONT_TOKENS = 128
 HIDE_TARGET, MISS_TARGET, TTFT_TOLERANCE = 0.8, 0.05, 0.10
+# on the trace the hiding target is measured on (CONSTANT_BE[0]), the fixed levels run up to this
+# multiple of the largest SLO instead of the cap: else the target rests on whether a level's
+# transfer falls just under the cap (compact at 0.5 BE takes ~1.5 x the text-only prefill)
+HIDE_CAP = 3.0
+HIDE_INSTANCE = f"{CONSTANT_BE[0]:g} BE"
 
 
 @dataclass
@@ -214,9 +220,10 @@ class Bench:
         url = f"{relay.url}/ctx"
         manifest_bytes = 4096
         skeleton = 1 << 16
+        cap = HIDE_CAP * max(self.slos) if instance == HIDE_INSTANCE else self.cap
         for method in ("raw f16", *LEVELS):
             size = len(self.state) if method == "raw f16" else self.level_bytes[method]
-            if trace.transfer_s(0.0, size + manifest_bytes + skeleton) > self.cap:
+            if trace.transfer_s(0.0, size + manifest_bytes + skeleton) > cap:
                 runs.append(Run(family, instance, method, None, None, self.kl[method], {}))
                 continue
             self._fresh(relay, trace)
@@ -362,7 +369,7 @@ def targets(b: Bench, runs: list[Run], random_traces: list[Trace]) -> list[tuple
         )
     )
     # 3. the pipeline hides decode behind transfer when transfer dominates
-    slow = [r for r in runs if r.trace == "constant" and r.instance == f"{CONSTANT_BE[0]:g} BE"]
+    slow = [r for r in runs if r.trace == "constant" and r.instance == HIDE_INSTANCE]
     hid = [r.hidden for r in slow if r.method in LEVELS and r.hidden is not None]
     low = min(hid) if hid else None
     out.append(

@@ -936,6 +936,11 @@ class _Loader:
             return None
         if overdue:
             return "race", job
+        # The CPU idle behind the front chunk's fetch, holding every chunk before it (nothing to
+        # restore first): it computes the chunk meanwhile and stops when the fetch arrives (abort
+        # callback), so a fetch that turns out slower than predicted costs no idle time.
+        if self.held == self.ranges[front][0] and not self.recurrent:
+            return "race", job
         if self._undecided():
             return None
         # the last chunk left is in flight: compute it unless it is due within one piece's time
