@@ -24,9 +24,10 @@ and takes the plan with the lowest token-weighted KL that finishes within a shar
 left (_SLO_SHARE, less on a link whose rate has varied between chunks: `_share`) and at least
 _SLO_FLOOR of the SLO before its end, the earliest among equals; when none fits, the earliest.
 The link fetches its next chunk at that plan's level; the CPU computes the front chunk when the
-plan computes any. Races, both ways: when the only chunk left is in flight and not due within a
-piece's compute time (_PIECE tokens), the CPU computes it too and stops as soon as the fetch
-arrives, within the llama_decode call (llama.cpp's abort callback; a model with a recurrent state,
+plan computes any. Races, both ways: when the front chunk is in flight and the CPU, idle, holds
+every chunk before it (nothing to restore), or when the only chunk left is in flight and not due
+within a piece's compute time (_PIECE tokens), the CPU computes it too and stops as soon as the
+fetch arrives, within the llama_decode call (llama.cpp's abort callback; a model with a recurrent state,
 which cannot be cut back, between pieces of _RACE_PIECE tokens); when every chunk is decided and
 the link is free, it fetches the chunk the CPU computes if that plan is better (a text chunk
 begun on a rate estimate that turned out too slow), or if the CPU will be late and the latest
