@@ -12,8 +12,8 @@ adaptation), adaptive (measured throughput; no prior: the first chunk's level fr
 fetch) and adaptive with an oracle (the relay's trace). TTFT = time to a loaded context + one token's decode
 (measured once). A fixed method whose transfer alone would exceed the cap (1.5 x the largest SLO;
 3 x on the constant trace the decode hiding is measured on) on a trace is not run there and counts
-as a miss. Quality: mean KL over a teacher-forced
-continuation per level, measured once; a mix is weighted by tokens (text and lossless: 0).
+as a miss. Quality: mean KL over a teacher-forced continuation per level, measured once; a mix is
+weighted by tokens (text and lossless: 0).
 Writes streaming.md, streaming.json and streaming.png into --out.
 """
 

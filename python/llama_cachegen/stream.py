@@ -27,8 +27,8 @@ The link fetches its next chunk at that plan's level; the CPU computes the front
 plan computes any. Races, both ways: when the front chunk is in flight and the CPU, idle, holds
 every chunk before it (nothing to restore), or when the only chunk left is in flight and not due
 within a piece's compute time (_PIECE tokens), the CPU computes it too and stops as soon as the
-fetch arrives, within the llama_decode call (llama.cpp's abort callback; a model with a recurrent state,
-which cannot be cut back, between pieces of _RACE_PIECE tokens); when every chunk is decided and
+fetch arrives, within the llama_decode call (llama.cpp's abort callback; a model with a recurrent
+state, which cannot be cut back, between pieces of _RACE_PIECE tokens); when every chunk is decided and
 the link is free, it fetches the chunk the CPU computes if that plan is better (a text chunk
 begun on a rate estimate that turned out too slow), or if the CPU will be late and the latest
 fetch's rate would bring it first. A stalled link costs at most one chunk's compute time. Past
