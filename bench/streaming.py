@@ -425,6 +425,14 @@ def plot(b: Bench, runs: list[Run], path: Path) -> None:
     plt.close(fig)
 
 
+def write_json(b: Bench, runs: list[Run], path: Path) -> None:
+    """The runs with their per-chunk records, and the setting they ran in."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps({"slos": b.slos, "be": b.be, "kl": b.kl, "runs": [asdict(r) for r in runs]}, indent=1)
+    )
+
+
 def adaptive_only(b: Bench, relay: Relay, fraction: float, methods: tuple[str, ...]) -> list[Run]:
     """--adaptive-only: `methods` on the random traces at fraction x text-only; prints the table."""
     slo = round(fraction * b.text_s, 2)
@@ -470,10 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                 methods = ("adaptive", "oracle") if args.oracle else ("adaptive",)
                 with Relay(base) as relay:
                     runs = adaptive_only(b, relay, args.adaptive_only, methods)
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / "streaming-adaptive.json").write_text(
-                    json.dumps({"slos": b.slos, "kl": b.kl, "runs": [asdict(r) for r in runs]}, indent=1)
-                )
+                write_json(b, runs, args.out / "streaming-adaptive.json")
                 return 0
             with Relay(base) as relay:
                 traces = b.traces()
@@ -530,9 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "streaming.md").write_text(text)
-    (args.out / "streaming.json").write_text(
-        json.dumps({"slos": b.slos, "be": b.be, "kl": b.kl, "runs": [asdict(r) for r in runs]}, indent=1)
-    )
+    write_json(b, runs, args.out / "streaming.json")
     plot(b, runs, args.out / "streaming.png")
     print(text)
     log(f"done in {time.perf_counter() - start:.0f} s")
