@@ -463,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--oracle", action="store_true", help="with --adaptive-only: the oracle too")
     args = parser.parse_args(argv)
+    if args.adaptive_only is not None and not args.adaptive_only > 0:
+        parser.error(
+            f"--adaptive-only takes a positive fraction of the text-only prefill, got {args.adaptive_only}"
+        )
+    if args.oracle and args.adaptive_only is None:
+        parser.error("--oracle goes with --adaptive-only (the whole run has the oracle already)")
     start = time.perf_counter()
     b = Bench(args)
     with tempfile.TemporaryDirectory() as tmp:
