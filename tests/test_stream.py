@@ -637,7 +637,33 @@ def test_cli_load_prints_the_report(stores_saved: dict[str, str]) -> None:
     assert report["tokens"] == N and len(report["chunks"]) == CHUNKS and report["slo_s"] == 60.0
 
 
-# ---- the trace and the relay alone -----------------------------------------------------------------
+# ---- the prefill speed model, the trace and the relay alone --------------------------------------
+
+
+def test_prefill_speed_learns_the_slope_and_a_change_of_pace() -> None:
+    """Pieces whose seconds per token grow with the position give that line back; a machine that
+    turns slower is followed within a load's pieces; noise never makes the slope negative."""
+    speed = stream._PrefillSpeed(1000.0, 128)  # calibrated: 1 ms per token, no slope yet
+    assert speed.seconds(0, 64) == pytest.approx(0.064) and speed.seconds(1984, 2048) == pytest.approx(0.064)
+
+    def true_s(p: int, q: int, a: float, c: float) -> float:
+        return sum(a + c * x for x in range(p, q))
+
+    a, c = 1.3e-3, 0.4e-3 / 2048  # 30% slower than calibrated, 40% slower again at 2,048
+    for p in range(0, 2048, 32):
+        speed.learn(p, p + 32, true_s(p, p + 32, a, c))
+    assert speed.tps == pytest.approx(1 / a, rel=0.05)
+    assert speed.seconds(1984, 2048) == pytest.approx(true_s(1984, 2048, a, c), rel=0.05)
+    assert speed.seconds(1984, 2048) > 1.3 * speed.seconds(0, 64)
+    for p in range(0, 640, 32):  # the load changes: twice as slow from here on, front pieces only
+        speed.learn(p, p + 32, 2 * true_s(p, p + 32, a, c))
+    assert speed.seconds(0, 64) == pytest.approx(2 * true_s(0, 64, a, c), rel=0.15)
+    rng = np.random.default_rng(0)
+    flat = stream._PrefillSpeed(1000.0, 128)
+    for p in rng.integers(0, 2000, 200):  # no slope, 20% noise: never a negative one
+        flat.learn(int(p), int(p) + 32, 0.032 * (1 + 0.2 * rng.standard_normal()))
+        assert flat.c >= 0 and flat.seconds(0, 32) > 0
+    assert flat.seconds(1968, 2000) == pytest.approx(0.032, rel=0.15)
 
 
 def test_trace_transfer_times() -> None:

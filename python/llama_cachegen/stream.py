@@ -17,8 +17,9 @@ weigh most) it predicts the finish from
 - the link: bytes / throughput, the slower of the smoothed and the mean rate of the fetches so far
   (before any chunk: `prior_mbps`, else the skeleton's fetch, latency-bound and so slow); a fetch
   in flight past its prediction is expected to be as late again;
-- the CPU: prefill speed measured once per model and thread count (`calibrate`) and refined by
-  every chunk computed, plus each fetched chunk's decode time (measured per level);
+- the CPU: prefill seconds per token as a line in the position (attention grows with the
+  context), measured once per model and thread count (`calibrate`) and fitted to every piece
+  computed since (`_PrefillSpeed`), plus each fetched chunk's decode time (measured per level);
 - the final restore (state bytes / _RESTORE_BPS),
 and takes the plan with the lowest token-weighted KL that finishes within a share of the time
 left (_SLO_SHARE, less on a link whose rate has varied between chunks: `_share`) and at least
@@ -73,6 +74,7 @@ bench/streaming.py on SmolLM2-135M over a 256-token teacher-forced continuation;
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import threading
@@ -117,7 +119,7 @@ LEVEL_KL: dict[str, float] = {
 }
 # state bytes per level, as a fraction of f16: for chunks whose size no manifest recorded
 _GUESS_RATIO = {"lossless": 0.85, "high": 0.47, "balanced": 0.25, "compact": 0.19}
-_SMOOTHING = 0.3  # weight of the newest throughput sample (and prefill speed)
+_SMOOTHING = 0.3  # weight of the newest throughput sample
 _SLO_SHARE = 0.9  # plans fit this share of the time left: estimates are noisy
 # ... and end at least this share of the whole SLO early: near the end, a share of the little time
 # left is less than the error of predicting the last fetch, decode and restore.
@@ -136,8 +138,15 @@ _LOOKAHEAD = 2  # chunks decided (fetched or planned as text) ahead of the one b
 _CALIBRATION_TOKENS = 128
 _RESTORE_BPS = 2e9  # llama.cpp's set_data copies about this many state bytes per second
 
-_tps_cache: dict[tuple[str, int], float] = {}
-_tps_lock = threading.Lock()
+# the prefill speed model forgets a piece's sample at this rate per piece computed since (about the
+# last 20 pieces count: a machine's load changes between loads)
+_FORGET = 0.95
+# ... and takes no slope from positions that spread less than this (a ridge on the slope, in tokens
+# x positions^2: 32 tokens spread over +-256 positions weigh as much as the prior slope of 0)
+_SLOPE_PRIOR = 32 * 256**2
+
+_speeds: dict[tuple[str, int], _PrefillSpeed] = {}
+_speeds_lock = threading.Lock()
 
 
 @dataclass
@@ -175,7 +184,8 @@ class StreamReport(LoadReport):
     assemble_ms: float = 0.0  # manifest read to buffer complete (fetch, decode, compute overlapped)
     skeleton_ms: float = 0.0  # of which fetching the skeleton (before any chunk)
     calibrate_ms: float = 0.0  # measuring prefill speed (once per process and model; not in total_ms)
-    compute_tps: float | None = None  # prefill tokens/s the choices used
+    compute_tps: float | None = None  # prefill tokens/s the choices used, at the first position
+    compute_tps_end: float | None = None  # ... at the last (attention grows with the context)
     expected_kl: float = 0.0  # token-weighted mean of kl_table over the chunks
     kl_table: dict[str, float] = field(default_factory=dict)
 
@@ -205,6 +215,7 @@ class StreamReport(LoadReport):
             "bytes_read": self.bytes_read,
             "state_bytes": self.state_bytes,
             "compute_tps": self.compute_tps,
+            "compute_tps_end": self.compute_tps_end,
             "expected_kl": self.expected_kl,
             "levels": levels,
             "text_chunks": self.text_chunks,
@@ -258,17 +269,53 @@ def _warnings_unprinted() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _tps_key(llm: llama_cpp.Llama) -> tuple[str, int]:
+class _PrefillSpeed:
+    """Seconds llama.cpp takes per token at position p: a + c*p (attention's work grows with the
+    context: SmolLM2's tokens at 2,048 positions take 25-40% longer than at the first), fitted by
+    weighted least squares on the pieces of text chunks computed, older pieces forgotten (_FORGET:
+    a load shares the CPU with its fetches, ~30% slower than an idle calibration), the slope held
+    near 0 until the pieces spread over positions (_SLOPE_PRIOR). Starts from a calibration: `tps`
+    over `tokens` from position 0."""
+
+    def __init__(self, tps: float, tokens: int) -> None:
+        self.w = float(tokens)  # sum of weights (tokens), and the weighted sums of x, y, x^2, x*y
+        x, y = tokens / 2, 1.0 / tps  # x: a piece's mean position; y: its seconds per token
+        self.sx, self.sy, self.sxx, self.sxy = self.w * x, self.w * y, self.w * x * x, self.w * x * y
+        self.a, self.c = y, 0.0
+
+    def seconds(self, b: int, e: int) -> float:
+        """Predicted seconds to compute positions b..e-1."""
+        return self.a * (e - b) + self.c * (e * e - b * b) / 2
+
+    @property
+    def tps(self) -> float:
+        """Tokens per second at the first position."""
+        return 1.0 / self.a
+
+    def learn(self, b: int, e: int, seconds: float) -> None:
+        w, x, y = float(e - b), (b + e - 1) / 2, seconds / (e - b)
+        f = _FORGET ** ((e - b) / _PIECE)
+        self.w, self.sx, self.sy = f * self.w + w, f * self.sx + w * x, f * self.sy + w * y
+        self.sxx, self.sxy = f * self.sxx + w * x * x, f * self.sxy + w * x * y
+        mx, my = self.sx / self.w, self.sy / self.w
+        var, cov = self.sxx - self.w * mx * mx, self.sxy - self.w * mx * my
+        self.c = max(0.0, cov / (var + _SLOPE_PRIOR))
+        self.a = max(my - self.c * mx, 0.05 * my)  # a noisy slope cannot make the first tokens free
+
+
+def _speed_key(llm: llama_cpp.Llama) -> tuple[str, int]:
     return fingerprint_key(model_fingerprint(llm)), int(llm.context_params.n_threads_batch)
 
 
 def calibrate(llm: llama_cpp.Llama, *, tokens: int = _CALIBRATION_TOKENS, force: bool = False) -> float:
     """Prefill tokens/s of this model with this context's batch threads, measured once per process
-    on a scratch context (the context of `llm` is not touched) and kept; `force` measures again."""
-    key = _tps_key(llm)
-    with _tps_lock:
-        if key in _tps_cache and not force:
-            return _tps_cache[key]
+    on a scratch context (the context of `llm` is not touched) and kept, then learnt from every
+    text chunk that streamed loads compute (per position: see _PrefillSpeed); `force` measures
+    again and forgets what was learnt. Returns the speed at the first position."""
+    key = _speed_key(llm)
+    with _speeds_lock:
+        if key in _speeds and not force:
+            return _speeds[key].tps
     params = type(llm.context_params).from_buffer_copy(llm.context_params)
     params.n_ctx = tokens + 16
     params.n_batch = params.n_ubatch = min(int(llm.n_batch), tokens)
@@ -284,15 +331,22 @@ def calibrate(llm: llama_cpp.Llama, *, tokens: int = _CALIBRATION_TOKENS, force:
         tps = tokens / (time.perf_counter() - start)
     finally:
         scratch.close()
-    with _tps_lock:
-        _tps_cache[key] = tps
+    with _speeds_lock:
+        _speeds[key] = _PrefillSpeed(tps, tokens)
     return tps
 
 
-def _learn_tps(key: tuple[str, int], tps: float) -> None:
-    with _tps_lock:
-        old = _tps_cache.get(key)
-        _tps_cache[key] = tps if old is None else (1 - _SMOOTHING) * old + _SMOOTHING * tps
+def _prefill_speed(llm: llama_cpp.Llama) -> _PrefillSpeed:
+    """A copy of what this process knows of the prefill speed (calibrated if need be)."""
+    calibrate(llm)
+    with _speeds_lock:
+        return copy.copy(_speeds[_speed_key(llm)])
+
+
+def _learn_speed(key: tuple[str, int], b: int, e: int, seconds: float) -> None:
+    with _speeds_lock:
+        if key in _speeds:
+            _speeds[key].learn(b, e, seconds)
 
 
 # ---- the link: one fetch at a time on a daemon thread ---------------------------------------------
@@ -387,8 +441,8 @@ class _Loader:
         level: str | None,
         threads: int | None,
         text_ok: bool,
-        compute_tps: float | None,
-        tps_given: bool,
+        speed: _PrefillSpeed | None,
+        speed_given: bool,
         kl_table: dict[str, float],
         oracle: Callable[[int], float] | None,
         progress: Callable[[ChunkRecord], None] | None,
@@ -407,9 +461,9 @@ class _Loader:
         self.slo_s, self.level, self.threads = slo_s, level, threads
         self.adapt = slo_s is not None and level is None
         self.both = self.adapt and text_ok  # the CPU computes from the front while the link fetches
-        self.text_ok, self.tps, self.oracle, self.progress = text_ok, compute_tps, oracle, progress
+        self.text_ok, self.speed, self.oracle, self.progress = text_ok, speed, oracle, progress
         self.kl = kl_table
-        self.tps_given = tps_given
+        self.speed_given = speed_given  # not learnt from what this load computes
         self.prior_inv = None if prior_mbps is None else 8 / (prior_mbps * 1e6)  # seconds per byte
         self.t0 = t0
         n = len(self.ranges)
@@ -430,7 +484,7 @@ class _Loader:
         # the computation within llama_decode (between two nodes of its graph)
         self.abort_callback = llama_cpp.ggml_abort_callback(self._fetch_arrived)
         self.backup: tuple[np.ndarray | None] | None = None
-        self.tps_key = _tps_key(llm)
+        self.speed_key = _speed_key(llm)
         self.state: np.ndarray | None = None
         self.skeleton = b""
         self.per_token = 0.0  # f16 state bytes per position
@@ -521,9 +575,8 @@ class _Loader:
         return None if inv is None else 8 / inv / 1e6
 
     def _text_s(self, i: int) -> float:
-        b, e = self.ranges[i]
-        assert self.tps is not None
-        return (e - b) / self.tps
+        assert self.speed is not None
+        return self.speed.seconds(*self.ranges[i])
 
     def _sample(self, job: _Job) -> None:
         if job.error is None and job.bytes:
@@ -842,7 +895,7 @@ class _Loader:
         be restored for a prefix, only where the context holds the chunks before them."""
         busy = self.computing
         if not (
-            self.adapt and self.both and self.tps and self.state is not None and not self.recompute_failed
+            self.adapt and self.both and self.speed and self.state is not None and not self.recompute_failed
         ):
             return []
         if not all(d or i == busy for i, d in enumerate(self.done)):
@@ -919,7 +972,7 @@ class _Loader:
             # The skeleton is late (longer than a piece's compute): the link is too slow for a
             # chunk to arrive before the CPU has computed it.
             assert skeleton is not None
-            if skeleton.seconds > self._piece_s(front) and self.plan[front] is None:
+            if skeleton.seconds > self._piece_s(*self.ranges[front]) and self.plan[front] is None:
                 self._claim(front, "parallel")
                 return "compute", None
             return None
@@ -945,7 +998,7 @@ class _Loader:
         if self._undecided():
             return None
         # the last chunk left is in flight: compute it unless it is due within one piece's time
-        if self._link_end(now) - now > self._piece_s(front):
+        if self._link_end(now) - now > self._piece_s(*self.ranges[front]):
             return "race", job
         return None
 
@@ -953,8 +1006,9 @@ class _Loader:
         """The first chunk not in the buffer (None: every one is)."""
         return next((k for k, d in enumerate(self.done) if not d), None)
 
-    def _piece_s(self, i: int) -> float:
-        return min(_PIECE, self.ranges[i][1] - self.ranges[i][0]) / (self.tps or 1.0)
+    def _piece_s(self, p: int, e: int) -> float:
+        """Seconds to compute the piece of a text chunk ending at e that starts at position p."""
+        return 1.0 if self.speed is None else self.speed.seconds(p, min(e, p + _PIECE))
 
     def _claim(self, i: int, reason: str) -> None:
         self.plan[i] = TEXT
@@ -966,11 +1020,11 @@ class _Loader:
         at least _TICK_S, at most a piece's compute time; before the skeleton arrives, at most
         until it turns late (when the CPU starts: _next_action)."""
         due = self._link_end(now) - now
-        wait = min(max(due, _TICK_S), _PIECE / (self.tps or 1.0) if self.both else 1.0)
+        wait = min(max(due, _TICK_S), self._piece_s(0, _PIECE) if self.both else 1.0)
         skeleton = self.skeleton_job
         if self.both and self.state is None and skeleton is not None and not skeleton.done.is_set():
             front = self._front()
-            late_at = None if front is None else skeleton.start + self._piece_s(front)
+            late_at = None if front is None else skeleton.start + self._piece_s(*self.ranges[front])
             if late_at is not None and late_at > now:
                 wait = min(wait, late_at - now + 1e-3)
         return wait
@@ -1193,11 +1247,11 @@ class _Loader:
             p = first
             while p < e:
                 with self.cv:
-                    if self.tps:
-                        self.cpu_free = time.perf_counter() + (e - p) / self.tps
+                    if self.speed:
+                        self.cpu_free = time.perf_counter() + self.speed.seconds(p, e)
                     job = self.jobs.get(i)
                     arrived = until is None and self._fetch_arrived(None)  # a fetch of `computing` (i)
-                    end = time.perf_counter() + self._piece_s(i) + self._readback_s(i)
+                    end = time.perf_counter() + self._piece_s(p, e) + self._readback_s(i)
                     late = until is not None and end > until
                     if arrived or late:
                         if arrived:
@@ -1220,9 +1274,11 @@ class _Loader:
                     self._take_skeleton(skeleton)
                 q = min(e, p + piece)
                 self.held = -1
+                piece_start = time.perf_counter()
                 with _warnings_unprinted() if abortable else contextlib.nullcontext():
                     computed = _decode_tokens(self.llm.ctx, self.tokens[p:q], p, seq, int(self.llm.n_batch))
                 if computed:
+                    self._learn(p, q, time.perf_counter() - piece_start)
                     p = q
                 else:  # stopped for the fetch: what it computed of the piece goes (the loop ends)
                     llama_cpp.llama_memory_seq_rm(memory, seq, p, -1)
@@ -1235,10 +1291,14 @@ class _Loader:
                 self.computing = None
         if self.state is not None:
             codec.splice(self.state, _state_array(self.llm, self.target), b, e)
-        _learn_tps(self.tps_key, (e - first) / (time.perf_counter() - start))
-        if not self.tps_given:
-            with self.cv:
-                self.tps = _tps_cache.get(self.tps_key, self.tps)
+
+    def _learn(self, p: int, q: int, seconds: float) -> None:
+        """A piece computed (positions p..q-1): the prefill speed learns it, here and for later loads."""
+        if self.speed_given or self.speed is None:
+            return
+        with self.cv:
+            self.speed.learn(p, q, seconds)
+        _learn_speed(self.speed_key, p, q, seconds)
 
     def _fetch_arrived(self, _data: Any) -> bool:
         """On llama.cpp's thread, with the GIL: what _compute's loop takes as an arrival (whatever
@@ -1378,10 +1438,11 @@ def load_streaming(
 
     `slo_s`: seconds from the manifest's read to a loaded context; None loads the best level
     stored (or `level`, fixed) and computes only what fails. `prior_mbps`: the link's expected
-    rate (Mbit/s) for the first choice. `compute_tps`: prefill tokens/s to assume instead of
-    measuring. `text_fallback=False`: nothing is computed; a chunk that fails twice raises, the
-    context unchanged. `oracle(nbytes)`: seconds the link will take for nbytes from now (a
-    bandwidth oracle, for benchmarks). `progress(record)` is called after each chunk.
+    rate (Mbit/s) for the first choice. `compute_tps`: prefill tokens/s to assume at every position
+    instead of measuring and learning. `text_fallback=False`: nothing is computed; a chunk that
+    fails twice raises, the context unchanged. `oracle(nbytes)`: seconds the link will take for
+    nbytes from now (a bandwidth oracle, for benchmarks). `progress(record)` is called after each
+    chunk.
     A whole-container manifest (a state that could not be chunked) loads as `load_chunked` does.
     """
     for name, value in (("slo_s", slo_s), ("prior_mbps", prior_mbps), ("compute_tps", compute_tps)):
@@ -1393,10 +1454,10 @@ def load_streaming(
     table = dict(LEVEL_KL if kl_table is None else kl_table)
     store_url, key = chunks.split_manifest_url(url)
     calibrate_s = 0.0
-    tps_given = compute_tps is not None
-    if compute_tps is None and slo_s is not None and text_fallback:
+    speed = None if compute_tps is None else _PrefillSpeed(compute_tps, _CALIBRATION_TOKENS)
+    if speed is None and slo_s is not None and text_fallback:
         start = time.perf_counter()
-        compute_tps = calibrate(llm)
+        speed = _prefill_speed(llm)
         calibrate_s = time.perf_counter() - start
     t0 = time.perf_counter()
     with stores.open_store(store_url) as store:
@@ -1427,8 +1488,8 @@ def load_streaming(
             level=level,
             threads=threads,
             text_ok=text_fallback,
-            compute_tps=compute_tps,
-            tps_given=tps_given,
+            speed=speed,
+            speed_given=compute_tps is not None,
             kl_table=table,
             oracle=oracle,
             progress=progress,
@@ -1476,7 +1537,8 @@ def load_streaming(
         assemble_ms=(t2 - t1) * 1e3,
         skeleton_ms=loader.skeleton_s * 1e3,
         calibrate_ms=calibrate_s * 1e3,
-        compute_tps=loader.tps,
+        compute_tps=None if speed is None else speed.tps,
+        compute_tps_end=None if speed is None else 1.0 / speed.seconds(tokens.size - 1, tokens.size),
         expected_kl=kl,
         kl_table=table,
     )
