@@ -92,12 +92,13 @@ def fit_basis(x: np.ndarray, block: int = 0) -> np.ndarray:
     return basis
 
 
-def solve(f: Callable[[float], float], target: float, increasing: bool) -> float:
-    """c > 0 with f(c) ~ target, by bisection on log c (f monotonic)."""
-    lo, hi = 1e-4, 1e4
-    for _ in range(24):
+def solve(
+    f: Callable[[float], float], target: float, up: bool, lo: float = 1e-4, hi: float = 1e4, n: int = 24
+) -> float:
+    """c in [lo, hi] with f(c) ~ target, by bisection on log c (f monotonic)."""
+    for _ in range(n):
         mid = np.sqrt(lo * hi)
-        if (f(mid) < target) == increasing:
+        if (f(mid) < target) == up:
             lo = mid
         else:
             hi = mid

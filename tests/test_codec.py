@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,55 @@ def test_expert_knobs_change_the_rate(state_fa_off: bytes) -> None:
     info = lcg.inspect(coarse)
     knobs = (info["k_step"], info["v_step"], info["first_layer_scale"], info["sink_tokens"])
     assert knobs == (1.0, 1.0, 0.5, 0)
+
+
+def test_error_weights_scale_each_tensors_error(state_fa_off: bytes) -> None:
+    """A calibration profile's weights multiply each tensor's error budget: the same weight on
+    every tensor is error_scale times it, bit for bit (whole containers and chunks); weights that
+    differ by tensor move the size between them; lossless ignores them."""
+    n = lcg.inspect(lcg.encode(state_fa_off, "balanced"))["tensors"]
+    scale = lcg.inspect(lcg.encode(state_fa_off, "balanced"))["error_scale"]
+    weighted = lcg.encode(state_fa_off, "balanced", error_weights=[4.0] * n)
+    scaled = lcg.encode(state_fa_off, "balanced", error_scale=4 * scale)
+    assert len(weighted) == len(scaled) and lcg.decode(weighted) == lcg.decode(scaled)  # headers: knobs
+    chunkers = [
+        codec.Chunker(state_fa_off, "balanced", error_weights=[4.0] * n),
+        codec.Chunker(state_fa_off, "balanced", error_scale=4 * scale),
+    ]
+    chunks = [c.chunk(0, PREFIX, hashlib.sha256(c.stats()).digest()) for c in chunkers]
+    assert len(chunks[0]) == len(chunks[1]) and chunks[0][-4096:] == chunks[1][-4096:]
+    plain = lcg.encode(state_fa_off, "balanced")
+    coarse_v = lcg.encode(state_fa_off, "balanced", error_weights=[1.0] * (n // 2) + [16.0] * (n // 2))
+    coarse_k = lcg.encode(state_fa_off, "balanced", error_weights=[16.0] * (n // 2) + [1.0] * (n // 2))
+    assert len(coarse_v) < len(plain) and len(coarse_k) < len(plain)
+    # the state holds every K, then every V (each behind a small header): a weight moves its own
+    pairs = (("plain", plain), ("v", coarse_v), ("k", coarse_k))
+    decoded = {name: np.frombuffer(lcg.decode(blob), np.uint8) for name, blob in pairs}
+    v_half = lcg.inspect(plain)["kv_bytes"] // 2
+    changed_v = np.flatnonzero(decoded["v"] != decoded["plain"])
+    changed_k = np.flatnonzero(decoded["k"] != decoded["plain"])
+    assert changed_v.size and changed_v.min() >= len(state_fa_off) - v_half - 4096
+    assert changed_k.size and changed_k.max() < len(state_fa_off) - v_half
+    lossless = lcg.encode(state_fa_off, "lossless")
+    assert lcg.encode(state_fa_off, "lossless", error_weights=[16.0] * n) == lossless
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        (lambda n: [1.0] * (n - 1), "error weights for a state of"),
+        (lambda n: [1.0] * (n + 2), "error weights for a state of"),
+        (lambda n: [0.0] * n, "expected 1/256..256"),
+        (lambda n: [float("nan")] * n, "expected 1/256..256"),
+        (lambda n: [1e6] * n, "expected 1/256..256"),
+    ],
+)
+def test_error_weights_that_do_not_fit_are_refused(state_fa_off: bytes, weights: Any, message: str) -> None:
+    n = lcg.inspect(lcg.encode(state_fa_off, "compact"))["tensors"]
+    with pytest.raises(lcg.InvalidArgumentError, match=message):
+        lcg.encode(state_fa_off, "compact", error_weights=weights(n))
+    with pytest.raises(lcg.InvalidArgumentError, match=message):
+        codec.Chunker(state_fa_off, "compact", error_weights=weights(n))
 
 
 def test_output_does_not_depend_on_thread_count(state_fa_off: bytes) -> None:

@@ -150,6 +150,14 @@ typedef struct {
      * a copy: a 40 MB container's copy cost a lossless encode a tenth of its time. */
     void * (*out_alloc)(void * ctx, size_t size);
     void *   out_alloc_ctx;
+    /* Error weights, to split a level's error by each tensor's sensitivity (measured by
+     * bench/layer_sensitivity.py): at a lossy level with a reference cache type, K/V tensor i's
+     * squared error is error_weights[i] x the level's, i in the order the state stores its
+     * tensors (per cache: K of each layer, then V of each layer); n_error_weights must be the
+     * state's number of K/V tensors, each weight in 1/256..256. NULL: 1 for every tensor. Not
+     * stored: decoding needs only the steps it finds. */
+    const float * error_weights;
+    uint32_t      n_error_weights;
 } lcg_encode_params;
 
 /* What lcg_inspect reports about a container, from its header and layout only. */

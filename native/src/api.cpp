@@ -78,6 +78,15 @@ EncodeOptions options(const lcg_encode_params * params) {
         LCG_CHECK(opt.knobs.ref_type < 0 || knob_ok(opt.knobs.ref_scale, 1e-6f, 1e6f), LCG_ERR_INVALID_ARGUMENT,
                   "error_scale %g: expected 1e-6..1e6", opt.knobs.ref_scale);
     }
+    LCG_CHECK(p.error_weights != nullptr || p.n_error_weights == 0, LCG_ERR_INVALID_ARGUMENT,
+              "error_weights is NULL with a count of %u", p.n_error_weights);
+    for (uint32_t i = 0; i < p.n_error_weights; i++) {
+        LCG_CHECK(knob_ok(p.error_weights[i], 1.0f / 256, 256.0f), LCG_ERR_INVALID_ARGUMENT,
+                  "error_weights[%u] %g: expected 1/256..256", i, p.error_weights[i]);
+    }
+    if (p.n_error_weights) {
+        opt.error_weights.assign(p.error_weights, p.error_weights + p.n_error_weights);
+    }
     LCG_CHECK(p.transform == LCG_TRANSFORM_NONE || p.transform == LCG_TRANSFORM_ANCHOR_DELTA,
               LCG_ERR_INVALID_ARGUMENT, "unknown transform %d", p.transform);
     LCG_CHECK(p.anchor_tokens == 0 || (p.anchor_tokens >= 2 && p.anchor_tokens <= 255), LCG_ERR_INVALID_ARGUMENT,

@@ -93,10 +93,21 @@ std::vector<std::vector<uint8_t>> sink_flags(const ParsedState & st, const Encod
     return is_sink;
 }
 
+// A calibration profile's weights name every K/V tensor of the state they are given for.
+void check_error_weights(const ParsedState & st, const EncodeOptions & opt) {
+    LCG_CHECK(opt.error_weights.empty() || opt.error_weights.size() == st.tensors.size(), LCG_ERR_INVALID_ARGUMENT,
+              "%zu error weights for a state of %zu K/V tensors (a profile of another model or state kind?)",
+              opt.error_weights.size(), st.tensors.size());
+}
+
 void prepare_one(const uint8_t * state, const ParsedState & st, const EncodeOptions & opt,
                  const std::vector<std::vector<uint8_t>> & is_sink, size_t i, TensorEncoder & e) {
     const TensorDesc & t = st.tensors[i];
-    prepare_tensor(state, t, opt.level == LCG_LEVEL_LOSSLESS ? nullptr : &opt.knobs, opt.rope.pairing ? &opt.rope : nullptr,
+    QuantKnobs knobs = opt.knobs;  // the tensor's: its budget weighted by a calibration profile
+    if (!opt.error_weights.empty()) {
+        knobs.ref_scale *= opt.error_weights[i];
+    }
+    prepare_tensor(state, t, opt.level == LCG_LEVEL_LOSSLESS ? nullptr : &knobs, opt.rope.pairing ? &opt.rope : nullptr,
                    is_sink[t.cell_group], st.groups[t.cell_group].pos, e);
 }
 
@@ -308,6 +319,7 @@ Layout read_layout(const ContainerView & c) {
 uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions & opt, size_t * out_size) {
     LCG_CHECK(size <= LCG_MAX_STATE_SIZE, LCG_ERR_LIMIT, "state of %zu bytes", size);
     const ParsedState st = parse_state(state, size, opt.state_kind);
+    check_error_weights(st, opt);
     const auto is_sink = sink_flags(st, opt);
     std::vector<TensorEncoder> enc(st.tensors.size());
     CodedRows rows(st.tensors.size(), parallel_workers(st.tensors.size(), opt.n_threads), st.kv_bytes);
@@ -466,6 +478,7 @@ std::unique_ptr<Chunker> chunker_init(const uint8_t * state, size_t size, const 
     ch->size = size;
     ch->opt = opt;
     ch->st = parse_state(state, size, opt.state_kind);
+    check_error_weights(ch->st, opt);
     ch->n_pos = chunkable_positions(ch->st);
     ch->is_sink = sink_flags(ch->st, opt);
     ch->cell_of_pos = cell_of_position(ch->st);

@@ -21,6 +21,7 @@ struct EncodeOptions {
     const uint8_t * user_meta;
     size_t user_meta_size;
     OutputAlloc out_alloc;  // where a whole container goes (lcg_encode)
+    std::vector<float> error_weights;  // per K/V tensor of the state, or empty (all 1)
 };
 
 // The LAYOUT section: the tensors an object codes and, for whole containers and skeletons, the

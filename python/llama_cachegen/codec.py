@@ -112,7 +112,9 @@ def _params(
     transform: str = "none",
     anchor_tokens: int | None = None,
     rope: Rope | None = None,
-) -> Any:
+    error_weights: Sequence[float] | None = None,
+) -> tuple[Any, Any]:
+    """The native parameters, and what they point to that must outlive them (error_weights)."""
     params = ffi.new("lcg_encode_params *", lib.lcg_encode_default_params())
     params.level = _level(level)
     params.state_kind = _kind(kind)
@@ -154,7 +156,12 @@ def _params(
         for i, base in enumerate(rope.bases):
             params.rope_bases[i] = base
         params.rope_freq_scale = rope.freq_scale
-    return params
+    weights = ffi.NULL
+    if error_weights is not None:
+        weights = ffi.new("float[]", [float(w) for w in error_weights])
+        params.error_weights = weights
+        params.n_error_weights = len(error_weights)
+    return params, weights
 
 
 # A bytes object of n bytes, not yet written (CPython's own way to build bytes in place).
@@ -226,6 +233,7 @@ def encode(
     transform: str = "none",
     anchor_tokens: int | None = None,
     rope: Rope | None = None,
+    error_weights: Sequence[float] | None = None,
     user_meta: Buffer = b"",
 ) -> bytes:
     """Compresses a llama.cpp state (any supported kind) into a llama-cachegen container.
@@ -238,9 +246,11 @@ def encode(
     `transform="anchor-delta"` codes each token of a group of `anchor_tokens` (default 10) as its
     difference from the group's first (CacheGen's grouping; CPU decode only); `rope` (a `Rope`,
     e.g. `model_rope(llm)`) codes keys rotated back by their position where that shrinks them (CPU
-    decode only); `user_meta` is stored verbatim (checksummed) in the container.
+    decode only); `error_weights` (a calibration profile's, one per K/V tensor of the state in its
+    order) multiply each tensor's squared error; `user_meta` is stored verbatim
+    (checksummed) in the container.
     """
-    params = _params(
+    params, _weights = _params(
         level,
         threads,
         kind,
@@ -253,6 +263,7 @@ def encode(
         transform,
         anchor_tokens,
         rope,
+        error_weights,
     )
     meta = _view(user_meta)
     params.user_meta = meta
@@ -531,7 +542,7 @@ class Chunker:
         **knobs: Any,
     ) -> None:
         self._state = _view(state)  # keeps the buffer alive
-        params = _params(level, threads, kind, **knobs)
+        params, _weights = _params(level, threads, kind, **knobs)  # the chunker copies the weights
         handle = ffi.new("lcg_chunker **")
         check(lib.lcg_chunker_init(self._state, len(self._state), params, handle))
         self._handle = ffi.gc(handle[0], lib.lcg_chunker_free)
