@@ -56,9 +56,10 @@ def coded(case: Case, level: str, **knobs: object) -> tuple[int, float]:
 def sensitivities(case: Case, level: str, boosts: list[float]) -> tuple[np.ndarray, np.ndarray]:
     """Each tensor's KL per unit of squared error (summed over its elements), perturbed alone, and
     the level's error per element on it."""
-    scale = lcg.inspect(lcg.encode(case.state, level))["error_scale"]
-    exact = f16_kv(case.state)
-    sizes = np.array([t.size for t in exact.tensors], dtype=np.float64)
+    blob = lcg.encode(case.state, level)
+    scale = lcg.inspect(blob)["error_scale"]
+    level_error = tensor_errors(case.state, bytes(lcg.decode(blob)))
+    sizes = np.array([t.size for t in f16_kv(case.state).tensors], dtype=np.float64)
     kls, added = [], []
     for b in boosts:
         decoded = bytes(lcg.decode(lcg.encode(case.state, level, error_scale=scale * b)))
@@ -71,7 +72,6 @@ def sensitivities(case: Case, level: str, boosts: list[float]) -> tuple[np.ndarr
         kls.append(np.array(row))
     s = (kls[1] - kls[0]) / np.maximum(added[1] - added[0], 1e-30)
     floor = 0.01 * float(np.median(s[s > 0])) if (s > 0).any() else 1e-30
-    level_error = tensor_errors(case.state, bytes(lcg.decode(lcg.encode(case.state, level))))
     return np.maximum(s, floor), level_error  # a tensor the logits did not feel: a bounded error
 
 

@@ -93,7 +93,7 @@ std::vector<std::vector<uint8_t>> sink_flags(const ParsedState & st, const Encod
     return is_sink;
 }
 
-// A calibration profile's weights name every K/V tensor of the state they are given for.
+// Error weights name every K/V tensor of the state they are given for.
 void check_error_weights(const ParsedState & st, const EncodeOptions & opt) {
     LCG_CHECK(opt.error_weights.empty() || opt.error_weights.size() == st.tensors.size(), LCG_ERR_INVALID_ARGUMENT,
               "%zu error weights for a state of %zu K/V tensors (a profile of another model or state kind?)",
@@ -103,7 +103,7 @@ void check_error_weights(const ParsedState & st, const EncodeOptions & opt) {
 void prepare_one(const uint8_t * state, const ParsedState & st, const EncodeOptions & opt,
                  const std::vector<std::vector<uint8_t>> & is_sink, size_t i, TensorEncoder & e) {
     const TensorDesc & t = st.tensors[i];
-    QuantKnobs knobs = opt.knobs;  // the tensor's: its budget weighted by a calibration profile
+    QuantKnobs knobs = opt.knobs;  // the tensor's: its budget times its error weight
     if (!opt.error_weights.empty()) {
         knobs.ref_scale *= opt.error_weights[i];
     }
