@@ -143,3 +143,15 @@ def test_the_prompt_cache_answers_as_llama_cpp_does(tmp_path: Path, model: tuple
         texts.append(out["choices"][0]["text"])
         hits.append(cache.hits)
     assert texts[0] == texts[1] == texts[2] and hits == [0, 0, 1]
+
+
+def test_a_level_follows_its_error_scale_and_weights_on_every_width(source: lcg.Llama) -> None:
+    # MLA's rows (48 values here) are not a multiple of llama.cpp's 32-value blocks: the level's
+    # reference error still sets the steps there, so error_scale and error_weights act on them too.
+    state = capture_state(source, None)
+    n = codec.inspect_state(state)["tensors"]
+    scale = lcg.inspect(lcg.encode(state, "compact"))["error_scale"]
+    sizes = [len(lcg.encode(state, "compact", error_scale=scale * m)) for m in (0.25, 1.0, 4.0)]
+    assert sizes[0] > sizes[1] > sizes[2]
+    weighted = lcg.decode(lcg.encode(state, "compact", error_weights=[4.0] * n))
+    assert weighted == lcg.decode(lcg.encode(state, "compact", error_scale=scale * 4.0))

@@ -249,6 +249,7 @@ __attribute__((always_inline)) inline double reference_sq_error_body(const float
                                                                      uint32_t n_units, int32_t ref_type,
                                                                      uint32_t rot) {
     std::vector<float> row(n_units);
+    float tail[32];
     double err = 0.0;
     for (size_t r = 0; r < n_rows; r++) {
         std::memcpy(row.data(), rows + r * n_units, n_units * sizeof(float));
@@ -261,14 +262,25 @@ __attribute__((always_inline)) inline double reference_sq_error_body(const float
 #endif
             hadamard(row.data() + b, rot);
         }
-        for (uint32_t b = 0; b + 32 <= n_units; b += 32) {
+        for (uint32_t b = 0; b < n_units; b += 32) {
+            const uint32_t len = std::min(32u, n_units - b);
+            const float * x = row.data() + b;
+            if (len < 32) {  // a row's partial last block: its values repeated, its share of the error
+                for (uint32_t j = 0; j < 32; j++) {
+                    tail[j] = x[j % len];
+                }
+                x = tail;
+            }
+            double e;
 #if defined(__x86_64__)
             if (AVX2) {
-                err += block_sq_error_avx2(row.data() + b, ref_type);
-                continue;
-            }
+                e = block_sq_error_avx2(x, ref_type);
+            } else
 #endif
-            err += block_sq_error(row.data() + b, ref_type);
+            {
+                e = block_sq_error(x, ref_type);
+            }
+            err += len < 32 ? e * len / 32.0 : e;
         }
     }
     return err;

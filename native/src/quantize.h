@@ -40,9 +40,11 @@ constexpr int32_t GGML_Q5_1 = 7;
 constexpr int32_t GGML_Q8_0 = 8;
 
 // Squared error that llama.cpp's cache type ref_type (q8_0, q5_1 or q4_0) makes on n_rows rows of
-// n_units values (a multiple of 32): each row Hadamard-rotated in blocks of `rot` units (0: not),
-// as llama.cpp does before quantizing a cache, then quantized and dequantized in blocks of 32 with
-// ggml's reference quantizers (scales rounded to f16).
+// n_units values: each row Hadamard-rotated in blocks of `rot` units (0: not), as llama.cpp does
+// before quantizing a cache, then quantized and dequantized in blocks of 32 with ggml's reference
+// quantizers (scales rounded to f16). A row whose width is not a multiple of 32 (llama.cpp has no
+// such quantized cache) has its last, partial block quantized as its values repeated to 32, with
+// that block's error per value: the level keeps its meaning on such a model instead of a step.
 double reference_sq_error(const float * rows, size_t n_rows, uint32_t n_units, int32_t ref_type, uint32_t rot);
 
 // Step (in standard deviations) of a layer: linear from first_layer_scale x last to last.

@@ -604,7 +604,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     }
     const double tensor_sd = std::sqrt(per_row / t.n_units);
     double rel = layer_step(k, t.is_v, t.layer, t.n_layer);
-    if (k.ref_type >= 0 && t.n_units % 32 == 0) {
+    if (k.ref_type >= 0) {
         const double budget = reference_budget(t, k, sample);
         const double ramp = layer_step(k, t.is_v, t.layer, t.n_layer) / (t.is_v ? k.v_step : k.k_step);
         rel = per_row > 0.0 ? std::sqrt(12.0 * budget / per_row) * ramp : 1.0;
