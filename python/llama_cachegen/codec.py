@@ -246,8 +246,8 @@ def encode(
     `transform="anchor-delta"` codes each token of a group of `anchor_tokens` (default 10) as its
     difference from the group's first (CacheGen's grouping; CPU decode only); `rope` (a `Rope`,
     e.g. `model_rope(llm)`) codes keys rotated back by their position where that shrinks them (CPU
-    decode only); `error_weights` (a calibration profile's, one per K/V tensor of the state in its
-    order) multiply each tensor's squared error; `user_meta` is stored verbatim
+    decode only); `error_weights` (one per K/V tensor, in the state's order: per cache, K of each
+    layer, then V) multiply each tensor's squared error; `user_meta` is stored verbatim
     (checksummed) in the container.
     """
     params, _weights = _params(
