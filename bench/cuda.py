@@ -25,6 +25,7 @@ import time
 import llama_cachegen as lcg
 import numpy as np
 from llama_cachegen import codec
+from llama_cachegen.llama_format import IO_MAGIC
 
 LEVELS = ("lossless", "high", "balanced", "compact")
 
@@ -32,7 +33,7 @@ LEVELS = ("lossless", "high", "balanced", "compact")
 def synthetic_state(cells: int, channels: int, layers: int) -> bytes:
     """A llama.cpp sequence buffer: one stream, f16 K rows and transposed f16 V, correlated channels."""
     rng = np.random.default_rng(0)
-    out = bytearray(struct.pack("<IiI", 0xAF143CD8, 0, 1) + struct.pack("<I", cells))
+    out = bytearray(struct.pack("<IiI", IO_MAGIC, 0, 1) + struct.pack("<I", cells))
     for pos in range(cells):
         out += struct.pack("<iIi", pos, 1, 0)
     out += struct.pack("<II", 1, layers)

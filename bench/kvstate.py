@@ -1,8 +1,8 @@
 """Reads and slices the KV tensors inside a llama.cpp sequence state buffer, with numpy.
 
 Only what the bench needs: one non-empty stream of a plain KV cache without cell extension
-(layout in /work/shared/DESIGN.md section 2). The library has its own parser; this one exists so
-that the baselines do not depend on the code they are compared with.
+(layout in docs/llama-state.md). The library has its own parser; this one exists so that the
+baselines do not depend on the code they are compared with (it shares llama.cpp's constants only).
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-
-IO_MAGIC = 0xAF143CD8
-GGML_TYPE_F16 = 1
+from llama_cachegen.llama_format import GGML_TYPES, IO_MAGIC
 
 
 @dataclass
@@ -100,7 +98,7 @@ def f16_kv(state: bytes) -> F16KV:
     raw = bytearray(state)
     tensors = []
     for t in layout.tensors:
-        if t.ggml_type != GGML_TYPE_F16:
+        if t.ggml_type != GGML_TYPES["f16"]:
             raise ValueError(f"tensor of ggml type {t.ggml_type}; only f16 is supported here")
         data = np.frombuffer(raw, dtype=np.float16, count=t.size // 2, offset=t.offset)
         width = t.size // 2 // layout.n_cells

@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 from llama_cachegen import quality
+from llama_cachegen.llama_format import IO_MAGIC
 from llama_cachegen.model import default_model_path, sample_text
 from llama_cachegen.server import free_port
-
-IO_MAGIC = 0xAF143CD8
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from . import codec
 from .envelope import is_manifest
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, NotAContainerError
-from .quality import GGML_TYPES
+from .llama_format import GGML_TYPES
 from .stores import read_url, write_url
 
 DEMO_QUESTION = "\n\nQuestion: What is the name of the license above?\nAnswer:"

@@ -38,14 +38,13 @@ from .errors import (
     ModelMismatchError,
     UnsupportedFormatError,
 )
-from .quality import GGML_TYPES
+from .llama_format import GGML_TYPES
 from .stores import read_url, write_url
 
 ENVELOPE_MAGIC = b"LCGL"
 ENVELOPE_VERSION = 1
 _MAX_HEADER = 1 << 20
 
-# the KV cache types llama.cpp accepts, by ggml id (llama_cpp has no constant for bf16)
 _GGML_TYPE_NAMES = {type_id: name for name, type_id in GGML_TYPES.items()}
 _FLASH_ATTN_NAMES = {
     llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO: "auto",

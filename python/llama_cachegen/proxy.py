@@ -55,15 +55,13 @@ from aiohttp import web
 from . import chunks, codec, stores
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, UnsupportedFormatError
 from .llama import FINGERPRINT_FIELDS, LossyLoad, StateMeta, _model_hash, better_level
-from .quality import GGML_TYPES
+from .llama_format import GGML_TYPES, GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC
 from .stores.http import TOKEN_ENV, bearer_ok, is_loopback, load_token
 
 log = logging.getLogger("llama_cachegen.proxy")
 
 # docs/llama-state.md: a sequence buffer starts with IO_MAGIC and a seq id, a sequence file
 # ('ggsq' v3) with its header and tokens; both go on with the same MEMORY bytes.
-IO_MAGIC = 0xAF143CD8
-GGSQ_MAGIC, GGSQ_VERSION = 0x67677371, 3
 _GGSQ_HEAD = struct.Struct("<III")
 _SEQ_HEAD = struct.Struct("<Ii")
 # llama-server writes its slot's tokens packed (tools/server/server-common.cpp, server_tokens::

@@ -14,20 +14,8 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidArgumentError
+from .llama_format import GGML_TYPES
 from .model import default_model_path
-
-# ggml type ids of the KV cache types llama.cpp accepts (type_k / type_v).
-GGML_TYPES: dict[str, int] = {
-    "f32": 0,
-    "f16": 1,
-    "q4_0": 2,
-    "q4_1": 3,
-    "q5_0": 6,
-    "q5_1": 7,
-    "q8_0": 8,
-    "iq4_nl": 20,
-    "bf16": 30,
-}
 
 
 def ggml_type(name: str | int) -> int:
