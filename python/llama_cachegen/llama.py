@@ -38,14 +38,13 @@ from .errors import (
     ModelMismatchError,
     UnsupportedFormatError,
 )
-from .llama_format import GGML_TYPES
+from .llama_format import GGML_TYPE_NAMES
 from .stores import read_url, write_url
 
 ENVELOPE_MAGIC = b"LCGL"
 ENVELOPE_VERSION = 1
 _MAX_HEADER = 1 << 20
 
-_GGML_TYPE_NAMES = {type_id: name for name, type_id in GGML_TYPES.items()}
 _FLASH_ATTN_NAMES = {
     llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO: "auto",
     llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED: "disabled",
@@ -271,8 +270,8 @@ def model_fingerprint(llm: llama_cpp.Llama) -> dict[str, Any]:
         "n_head_kv": llama_cpp.llama_model_n_head_kv(model),
         "n_embd": llama_cpp.llama_model_n_embd(model),
         "n_vocab": llm.n_vocab(),
-        "type_k": _GGML_TYPE_NAMES.get(params.type_k, str(params.type_k)),
-        "type_v": _GGML_TYPE_NAMES.get(params.type_v, str(params.type_v)),
+        "type_k": GGML_TYPE_NAMES.get(params.type_k, str(params.type_k)),
+        "type_v": GGML_TYPE_NAMES.get(params.type_v, str(params.type_v)),
         "flash_attn": _FLASH_ATTN_NAMES.get(params.flash_attn_type, str(params.flash_attn_type)),
         # llama.cpp refuses a state written with another stream count ("n_stream mismatch")
         "n_stream": 1 if params.kv_unified else llama_cpp.llama_n_seq_max(llm.ctx),

@@ -21,3 +21,4 @@ GGML_TYPES: dict[str, int] = {
     "iq4_nl": 20,
     "bf16": 30,
 }
+GGML_TYPE_NAMES: dict[int, str] = {type_id: name for name, type_id in GGML_TYPES.items()}

@@ -55,7 +55,7 @@ from aiohttp import web
 from . import chunks, codec, stores
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, UnsupportedFormatError
 from .llama import FINGERPRINT_FIELDS, LossyLoad, StateMeta, _model_hash, better_level
-from .llama_format import GGML_TYPES, GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC
+from .llama_format import GGML_TYPE_NAMES, GGML_TYPES, GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC
 from .stores.http import TOKEN_ENV, bearer_ok, is_loopback, load_token
 
 log = logging.getLogger("llama_cachegen.proxy")
@@ -392,7 +392,7 @@ class Sharing:
         for side in ("type_k", "type_v"):
             found, told = info[side], self.fingerprint[side]
             if found >= 0 and found != GGML_TYPES.get(told):
-                name = next((n for n, t in GGML_TYPES.items() if t == found), str(found))
+                name = GGML_TYPE_NAMES.get(found, str(found))
                 flag = "--cache-type-k" if side == "type_k" else "--cache-type-v"
                 raise UnsupportedFormatError(
                     f"the server's cache holds {side[-1].upper()} as {name}, the proxy was told {told}: "
