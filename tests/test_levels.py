@@ -6,7 +6,8 @@ state they were encoded from. A level that drifts above its reference fails.
 
 Same measurement by hand on Gemma 3 270M (interleaved sliding window, one KV head of 256 channels)
 and Qwen2.5-Coder 0.5B, not in the repo, and on texts that are not either: the largest KL over the
-reference's was 0.93, 0.78 and 0.90 (README, "Levels").
+reference's was 0.93, 0.78 and 0.81 (README, "Levels"; `compact` at 0.81 on repeated text, where
+attention copies, on Gemma 3: SmolLM2 does not feel that, so no text here would catch it).
 """
 
 from __future__ import annotations
@@ -73,4 +74,4 @@ def test_levels_order_by_size_and_quality(measured: dict[str, Any]) -> None:
         kls = [measured["kl"][level, t] for level in PROMISE]
         assert ratios == sorted(ratios) and ratios[0] > 1.5, ratios
         assert kls == sorted(kls), kls
-    assert np.mean([measured["ratio"]["compact", t] for t in TEXTS]) > 5.0
+    assert np.mean([measured["ratio"]["compact", t] for t in TEXTS]) > 4.4

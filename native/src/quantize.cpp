@@ -17,16 +17,16 @@ constexpr float MIN_STEP = 6.103515625e-05f;  // smallest normal f16
 // (teacher-forced KL over 256 tokens against the untouched state) on SmolLM2 (the repo's three
 // texts at 2,048 tokens; asyncio's source, a German man page, `man bash` at 300-4,096), Gemma 3
 // 270M (interleaved sliding window, one KV head of 256 channels) and Qwen2.5-Coder 0.5B, texts that
-// are not in the repo. A single text's KL over 256 tokens moves by +-20% between nearby scales, so
-// the scales keep about that margin below the reference on the tightest cases: SmolLM2 on German,
-// where KL rises steeply (compact 0.72 of q4_0's at 2.0, 1.35 at 3.0; balanced 0.78 of q5_1's at
-// 2.55, 0.94 at 3.4), and Gemma 3 on asyncio's source at 3,000 tokens (compact 0.90 at 2.0). With one step per tensor (tensor_codec.cpp) a squared error costs less KL
-// than with a step per channel group, so `balanced` rose from 1.7 and `high` from 0.6. `high`
-// sits at the model's noise floor (a smaller scale does not lower its KL there): it takes q8_0's
-// own squared error.
+// are not in the repo. A single text's KL over 256 tokens moves by +-20% between nearby scales.
+// `balanced` keeps that margin below q5_1 on the tightest case (SmolLM2 on German: 0.78 of q5_1's
+// KL at 2.55, 0.94 at 3.4). `compact` is tightest where attention copies (repeated text, tables):
+// there Gemma 3's KL jumps once the error passes q4_0's own (1,400 tokens, three such texts: 0.55-0.81
+// of q4_0's KL at 1.0, 1.13-1.20 at 1.25, 1.24-4.5 at 2.0), while SmolLM2 stays 3-8x below q4_0's at
+// 2.0, so it takes q4_0's own squared error. `high` sits at the model's noise floor (a smaller scale
+// does not lower its KL there): it takes q8_0's own squared error.
 constexpr float REF_SCALE_HIGH = 1.0f;
 constexpr float REF_SCALE_BALANCED = 2.5f;
-constexpr float REF_SCALE_COMPACT = 2.0f;
+constexpr float REF_SCALE_COMPACT = 1.0f;
 
 // In-place orthonormal Walsh-Hadamard transform of n (a power of two) values.
 __attribute__((always_inline)) inline void hadamard(float * x, uint32_t n) {

@@ -115,10 +115,10 @@ LEVEL_KL: dict[str, float] = {
     "lossless": 0.0,
     "high": 0.0034,
     "balanced": 0.0062,
-    "compact": 0.0217,
+    "compact": 0.0095,
 }
 # state bytes per level, as a fraction of f16: for chunks whose size no manifest recorded
-_GUESS_RATIO = {"lossless": 0.85, "high": 0.47, "balanced": 0.25, "compact": 0.19}
+_GUESS_RATIO = {"lossless": 0.85, "high": 0.47, "balanced": 0.25, "compact": 0.22}
 _SMOOTHING = 0.3  # weight of the newest throughput sample
 _SLO_SHARE = 0.9  # plans fit this share of the time left: estimates are noisy
 # ... and end at least this share of the whole SLO early: near the end, a share of the little time
