@@ -268,15 +268,20 @@ def test_a_new_chunk_is_not_fetched_better_than_an_upgrade_is_worth(
     """High, balanced and compact stored; a 0.1 Mbit/s prior makes the first chunk compact, the
     link turns out fast. While that chunk is compact, fetching it again at balanced gains more KL
     per byte than high gains over balanced on a new chunk: the others come at balanced. With
-    every chunk in and time left, all are fetched again at high."""
+    every chunk in and time left, all are fetched again at high. The KL figures are a model's where
+    compact costs far more than balanced (SmolLM2's with compact at twice q4_0's error): with the
+    default table compact is close enough to balanced that new chunks come at high directly."""
     _, url = relay
     three_url = url + "-three-levels"
     chunks.save_chunked(original["llm"], three_url, levels=("high", "balanced", "compact"), chunk_tokens=C)
-    report = stream.load_streaming(loader, three_url, slo_s=60.0, prior_mbps=0.1, text_fallback=False)
+    kl_table = {**stream.LEVEL_KL, "high": 0.0034, "balanced": 0.0062, "compact": 0.0217}
+    report = stream.load_streaming(
+        loader, three_url, slo_s=60.0, prior_mbps=0.1, text_fallback=False, kl_table=kl_table
+    )
     assert [(r.upgraded_from, r.level) for r in report.records] == [("compact", "high")] + [
         ("balanced", "high")
     ] * (CHUNKS - 1)
-    assert report.failures == [] and math.isclose(report.expected_kl, stream.LEVEL_KL["high"])
+    assert report.failures == [] and math.isclose(report.expected_kl, kl_table["high"])
     assert greedy(loader, original["prefix"])  # a complete context that generates
 
 
