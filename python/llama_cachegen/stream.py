@@ -135,7 +135,7 @@ _RECENT_S = 0.3  # a late fetch's rate is measured over its last this many secon
 _GIVE_UP_GAIN = 0.1  # ... by this share of the time to the finish that waiting for it would give
 _TICK_S = 0.05  # the assembly plans again at least this often while it waits for the link
 _LOOKAHEAD = 2  # chunks decided (fetched or planned as text) ahead of the one being assembled
-_CALIBRATION_TOKENS = 128
+_CALIBRATION_TOKENS = 2 * _PIECE  # in pieces, as a load computes: a first load pays for it
 _RESTORE_BPS = 2e9  # llama.cpp's set_data copies about this many state bytes per second
 
 # the prefill speed model forgets a piece's sample at this rate per piece computed since (about the
@@ -180,10 +180,10 @@ class StreamReport(LoadReport):
     records: list[ChunkRecord] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # every fetch or decode that failed, in order
     fallback: str | None = None  # why the rest of the context was computed from text, if it was
-    total_ms: float = 0.0  # from the manifest's read to the restored context
+    total_ms: float = 0.0  # from the call to the restored context (a first load's calibration in it)
     assemble_ms: float = 0.0  # manifest read to buffer complete (fetch, decode, compute overlapped)
     skeleton_ms: float = 0.0  # of which fetching the skeleton (before any chunk)
-    calibrate_ms: float = 0.0  # measuring prefill speed (once per process and model; not in total_ms)
+    calibrate_ms: float = 0.0  # measuring prefill speed (once per process and model; in total_ms)
     compute_tps: float | None = None  # prefill tokens/s the choices used, at the first position
     compute_tps_end: float | None = None  # ... at the last (attention grows with the context)
     expected_kl: float = 0.0  # token-weighted mean of kl_table over the chunks
@@ -327,13 +327,42 @@ def calibrate(llm: llama_cpp.Llama, *, tokens: int = _CALIBRATION_TOKENS, force:
         _decode_tokens(scratch.ctx, ids[:8], 0, 0, params.n_batch)  # warm-up: graph and buffers
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(scratch.ctx), True)
         start = time.perf_counter()
-        _decode_tokens(scratch.ctx, ids[:tokens], 0, 0, params.n_batch)
+        for p in range(0, tokens, _PIECE):  # one llama_decode per piece, as _compute calls it
+            _decode_tokens(scratch.ctx, ids[p : min(tokens, p + _PIECE)], p, 0, params.n_batch)
         tps = tokens / (time.perf_counter() - start)
     finally:
         scratch.close()
     with _speeds_lock:
         _speeds[key] = _PrefillSpeed(tps, tokens)
     return tps
+
+
+class _Calibration(threading.Thread):
+    """_prefill_speed on its own thread (llama_decode releases the GIL), while the caller reads
+    the manifest: on a slow link the first load's calibration costs it little or nothing."""
+
+    def __init__(self, llm: llama_cpp.Llama) -> None:
+        super().__init__(name="llama-cachegen-calibrate", daemon=True)
+        self.llm = llm
+        self.speed: _PrefillSpeed | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.start()
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.speed = _prefill_speed(self.llm)
+        except BaseException as exc:  # raised on the caller's thread by result()
+            self.error = exc
+        self.seconds = time.perf_counter() - start
+
+    def result(self) -> _PrefillSpeed:
+        self.join()
+        if self.error is not None:
+            raise self.error
+        assert self.speed is not None
+        return self.speed
 
 
 def _prefill_speed(llm: llama_cpp.Llama) -> _PrefillSpeed:
@@ -1436,7 +1465,8 @@ def load_streaming(
 ) -> StreamReport:
     """Loads a chunked context chunk by chunk, choosing per chunk a level or text (module docstring).
 
-    `slo_s`: seconds from the manifest's read to a loaded context; None loads the best level
+    `slo_s`: seconds from this call to a loaded context (the first load of a model in a process
+    measures its prefill speed within them, while it reads the manifest); None loads the best level
     stored (or `level`, fixed) and computes only what fails. `prior_mbps`: the link's expected
     rate (Mbit/s) for the first choice. `compute_tps`: prefill tokens/s to assume at every position
     instead of measuring and learning. `text_fallback=False`: nothing is computed; a chunk that
@@ -1453,15 +1483,15 @@ def load_streaming(
     require_kv_cache(llm)  # before calibrating: no prefill of a model nothing could be loaded into
     table = dict(LEVEL_KL if kl_table is None else kl_table)
     store_url, key = chunks.split_manifest_url(url)
-    calibrate_s = 0.0
+    t0 = time.perf_counter()  # the SLO's clock: what the caller waits for counts
     speed = None if compute_tps is None else _PrefillSpeed(compute_tps, _CALIBRATION_TOKENS)
-    if speed is None and slo_s is not None and text_fallback:
-        start = time.perf_counter()
-        speed = _prefill_speed(llm)
-        calibrate_s = time.perf_counter() - start
-    t0 = time.perf_counter()
-    with stores.open_store(store_url) as store:
+    calibration = _Calibration(llm) if speed is None and slo_s is not None and text_fallback else None
+    with stores.open_store(store_url) as store, contextlib.ExitStack() as waits:
+        if calibration is not None:
+            waits.callback(calibration.join)  # a load that ends early leaves no prefill running
         data = store.get(key) if manifest is None else bytes(manifest)
+        if calibration is not None:
+            speed = calibration.result()
         if not envelope.is_manifest(data):  # one whole container: nothing to stream
             whole = load_compressed_state(llm, data, seq_id=seq_id, threads=threads)
             whole.extra["levels"] = {codec.inspect(data)["level"]: 1}
@@ -1536,7 +1566,7 @@ def load_streaming(
         total_ms=(t3 - t0) * 1e3,
         assemble_ms=(t2 - t1) * 1e3,
         skeleton_ms=loader.skeleton_s * 1e3,
-        calibrate_ms=calibrate_s * 1e3,
+        calibrate_ms=0.0 if calibration is None else calibration.seconds * 1e3,
         compute_tps=None if speed is None else speed.tps,
         compute_tps_end=None if speed is None else 1.0 / speed.seconds(tokens.size - 1, tokens.size),
         expected_kl=kl,
