@@ -21,9 +21,11 @@ weigh most) it predicts the finish from
   context), measured once per model and thread count (`calibrate`) and fitted to every piece
   computed since (`_PrefillSpeed`), plus each fetched chunk's decode time (measured per level);
 - the final restore (state bytes / _RESTORE_BPS),
-and takes the plan with the lowest token-weighted KL that finishes within a share of the time
-left (_SLO_SHARE, less on a link whose rate has varied between chunks: `_share`) and at least
-_SLO_FLOOR of the SLO before its end, the earliest among equals; when none fits, the earliest.
+and takes the plan with the lowest token-weighted KL (a chunk computed counts as the best level
+stored for it: text is the fallback for a slow link, not a level above the best) that finishes
+within a share of the time left (_SLO_SHARE, less on a link whose rate has varied between chunks:
+`_share`) and at least _SLO_FLOOR of the SLO before its end, the earliest among equals; when none
+fits, the earliest.
 The link fetches its next chunk at that plan's level; the CPU computes the front chunk when the
 plan computes any. Races, both ways: when the front chunk is in flight and the CPU, idle, holds
 every chunk before it (nothing to restore), or when the only chunk left is in flight and not due
@@ -45,8 +47,9 @@ Two corrections for a rate that changes under a plan:
   buffer is fetched again at a better level (the most KL gained per byte) when that is due
   before the SLO (less its last _SLO_FLOOR and the restore); the load waits for it until then
   and drops it after (`upgraded_from` in its record). The CPU, idle once every chunk is in the
-  buffer, computes the first lossy chunks again (exact, in order from the first one that is not,
-  as many as end by then; the link upgrades the others), stopping between pieces at that time.
+  buffer, computes the first chunks below the best level stored again (exact, in order from the
+  first one that is not, as many as end by then; the link upgrades the others), stopping between
+  pieces at that time.
   Plans made on a pessimistic estimate (a slow start, a wide spread) so give back what they cost.
 
 The skeleton is fetched first (the buffer is built from it); while it is late (longer than a
@@ -680,9 +683,10 @@ class _Loader:
             self._decode_s(j.level, self._size(j.index, j.level)) for j in self.jobs.values()
         )
         link_free = self._link_end(now)
-        cpu = [0.0]
+        cpu, computed = [0.0], [0.0]  # prefix sums over the first x chunks: seconds, cost as text
         for k in undecided if self.both else ():
             cpu.append(cpu[-1] + self._text_s(k))
+            computed.append(computed[-1] + self._text_kl(k) * (self.ranges[k][1] - self.ranges[k][0]))
         levels = self.levels[undecided[-1]]
         size = {lv: [self._size(k, lv) for k in undecided] for lv in levels}
         tail = {lv: _suffix_sums(size[lv]) for lv in levels}  # tail[lv][x]: chunks x.. at lv
@@ -693,7 +697,7 @@ class _Loader:
             f = m - x
             if f == 0:
                 finish = cpu_free + cpu[x]
-                return _Plan(worse, x, finish, 0.0, finish <= deadline, finish)
+                return _Plan(worse, x, finish, computed[x], finish <= deadline, finish)
             nbytes = tail[worse][x] + tail[better][m - n] - tail[worse][m - n]
             decode = self._decode_s(worse, tail[worse][x] - tail[worse][m - n]) + self._decode_s(
                 better, tail[better][m - n]
@@ -702,7 +706,7 @@ class _Loader:
             link = link_free + self._net_s(nbytes) + self._decode_s(last, size[last][x])
             finish = max(cpu_free + cpu[x] + decode, link)
             at_risk = max(cpu_free + cpu[x] + decode, now + (link - now) * stretch)
-            cost = self.kl.get(worse, math.inf) * (tail_tokens[x] - tail_tokens[m - n])
+            cost = computed[x] + self.kl.get(worse, math.inf) * (tail_tokens[x] - tail_tokens[m - n])
             cost += self.kl.get(better, math.inf) * tail_tokens[m - n]
             following = better if (n > 0 if self.both else n == f) else worse  # the next fetch's
             return _Plan(following, x, finish, cost, finish <= deadline, at_risk)
@@ -792,8 +796,10 @@ class _Loader:
             return
         deadline = self._deadline(now)
         stretch = 1.0 / self._share()
-        best = _Plan(TEXT, 1, self.cpu_free, 0.0, self.cpu_free <= deadline, self.cpu_free)
         tokens = self.ranges[i][1] - self.ranges[i][0]
+        best = _Plan(
+            TEXT, 1, self.cpu_free, self._text_kl(i) * tokens, self.cpu_free <= deadline, self.cpu_free
+        )
         for level in self.levels[i]:
             size = self._size(i, level)
             finish = now + self._net_s(size) + self._decode_s(level, size)
@@ -936,10 +942,23 @@ class _Loader:
         t, latest, out = max(now, self.cpu_free), self._latest(), []
         for i in range(k, len(self.plan)):
             t += self._text_s(i) + self._readback_s(i)
-            if i in self.jobs or self.plan[i] == "lossless" or t > latest:
+            if i in self.jobs or self._at_best(i) or t > latest:
                 break
             out.append(i)
         return out
+
+    def _text_kl(self, i: int) -> float:
+        """What plans count for chunk i computed as text: the KL of the best level stored for it.
+        Text is exact, but it is the fallback for a link too slow (issue 10), not a level above
+        the best stored: counted as exact, every plan with time to spare recomputed chunks that
+        one fetch brings (a 30 s SLO on a fast link computed all 700 tokens of Gemma 3 270M, 2.6 s,
+        where fetching them at high took 0.12 s). A plan computes a chunk where that is faster."""
+        return self.kl.get(self.levels[i][0], math.inf)
+
+    def _at_best(self, i: int) -> bool:
+        """Whether chunk i is fetched at a level as good as the best stored for it (lossless
+        always): computing it again gains nothing a plan counts."""
+        return self.plan[i] not in (None, TEXT) and self.kl.get(self.plan[i], math.inf) <= self._text_kl(i)
 
     def _readback_s(self, i: int) -> float:
         """Reading the context's state back to splice chunk i computed into the buffer."""
