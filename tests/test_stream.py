@@ -288,14 +288,16 @@ def test_a_new_chunk_is_not_fetched_better_than_an_upgrade_is_worth(
 def test_time_to_spare_is_not_spent_computing_what_the_best_level_brings(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:
-    """Compact chunks only, 60 s, a fast link: every chunk comes compact, none is computed. Text is
-    the fallback for a link too slow, not a level above the best stored: a load that recomputed
-    the chunks whenever the SLO left time for it would take the prefill it exists to skip."""
+    """The default levels (high, balanced, compact) in 64-token chunks, 60 s, a fast link: every
+    chunk comes at high, none is computed. Text is the fallback for a link too slow, not a level
+    above the best stored: a load that recomputed chunks whenever the SLO left time for it would
+    take the prefill it exists to skip. (At 600 tokens, plans computing 3-6 chunks summed high's KL
+    to a cost one rounding step below fetching them: costs that equal must leave it to the finish.)"""
     _, url = relay
-    compact_url = url + "-compact-only"
-    chunks.save_chunked(original["llm"], compact_url, levels=("compact",), chunk_tokens=C)
-    report = stream.load_streaming(loader, compact_url, slo_s=60.0, prior_mbps=FAST)
-    assert [r.level for r in report.records] == ["compact"] * CHUNKS
+    default_url = url + "-default-levels"
+    chunks.save_chunked(original["llm"], default_url, chunk_tokens=64)
+    report = stream.load_streaming(loader, default_url, slo_s=60.0, prior_mbps=FAST)
+    assert [r.level for r in report.records] == ["high"] * -(-N // 64)
     assert all(r.compute_ms == 0 and r.upgraded_from is None for r in report.records)
     assert report.text_chunks == [] and report.failures == [] and report.slo_met
 
@@ -630,6 +632,43 @@ def test_a_first_load_measures_the_prefill_within_its_slo(
     assert first.slo_met is (first.total_ms <= 60e3)
     again = stream.load_streaming(llm, url, slo_s=60.0, prior_mbps=FAST)
     assert again.calibrate_ms < first.calibrate_ms
+
+
+def test_no_measurement_outlives_a_load_or_runs_for_a_fixed_level(
+    relay: tuple[Relay, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill measurement runs on the caller's model: a load whose store cannot be opened
+    raises with none left running (a caller freeing the model then crashed the process); a load
+    at a fixed level plans nothing and measures nothing."""
+    _, url = relay
+    monkeypatch.setattr(stream, "_speeds", {})  # as in a new process
+    llm = _llama()
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_bytes(b"")
+    with pytest.raises(StoreError):
+        stream.load_streaming(llm, (not_a_dir / "ctx").as_uri(), slo_s=60.0)
+    assert not any(t.name == "llama-cachegen-calibrate" for t in threading.enumerate())
+    fixed = stream.load_streaming(llm, url, slo_s=60.0, level="compact")
+    assert fixed.calibrate_ms == 0 and stream._speeds == {}
+    assert fixed.to_dict()["levels"] == {"compact": CHUNKS}
+
+
+@pytest.mark.parametrize(
+    ("table", "says"),
+    [
+        ({"text": 0.0, "compact": 0.0095}, "lacks high, balanced"),
+        ({**stream.LEVEL_KL, "medium": 0.004}, "'medium' is not a level"),
+        ({**stream.LEVEL_KL, "high": math.nan}, "finite number"),
+        ({**stream.LEVEL_KL, "high": -0.1}, "finite number"),
+    ],
+)
+def test_a_kl_table_without_every_lossy_level_is_refused(
+    loader: Llama, tmp_path: Path, table: dict[str, float], says: str
+) -> None:
+    """What plans minimise: a level without a figure would cost inf (and inf x 0 tokens a nan that
+    wins every comparison), a default figure beside the caller's would rank two models' levels."""
+    with pytest.raises(InvalidArgumentError, match=says):
+        stream.load_streaming(loader, (tmp_path / "ctx").as_uri(), slo_s=60.0, kl_table=table)
 
 
 def test_a_state_stored_whole_reports_its_tokens_as_a_chunked_load_does(

@@ -1448,6 +1448,26 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _kl_table(kl_table: dict[str, float] | None) -> dict[str, float]:
+    """LEVEL_KL, or the caller's figures: one for every lossy level (a level without one would
+    cost inf in a plan, and inf x 0 tokens a nan that wins every comparison; a default beside the
+    caller's figures would rank levels by two models), text and lossless exact unless given."""
+    if kl_table is None:
+        return dict(LEVEL_KL)
+    if not isinstance(kl_table, dict):
+        what = type(kl_table).__name__
+        raise InvalidArgumentError(f"kl_table must map level names to KL figures, got {what}")
+    for name, value in kl_table.items():
+        if name not in LEVEL_KL:
+            raise InvalidArgumentError(f"kl_table: {name!r} is not a level (levels: {', '.join(LEVEL_KL)})")
+        if not (_is_number(value) and value >= 0 and math.isfinite(value)):
+            raise InvalidArgumentError(f"kl_table[{name!r}] must be a finite number >= 0, got {value!r}")
+    missing = [lv for lv, kl in LEVEL_KL.items() if kl > 0 and lv not in kl_table]
+    if missing:
+        raise InvalidArgumentError(f"kl_table lacks {', '.join(missing)}: give every lossy level a figure")
+    return {TEXT: 0.0, "lossless": 0.0, **{name: float(value) for name, value in kl_table.items()}}
+
+
 def _suffix_sums(values: list[float] | list[int]) -> list[float]:
     """[sum(values[x:]) for x in 0..len(values)]."""
     out = [0.0] * (len(values) + 1)
@@ -1462,7 +1482,10 @@ def _better(a: _Plan, b: _Plan) -> bool:
     if a.feasible != b.feasible:
         return a.feasible
     if a.feasible:
-        return (a.cost, a.finish, a.text) < (b.cost, b.finish, b.text)
+        # costs summed in another order differ in their last bits: those are equal, the earliest wins
+        if not math.isclose(a.cost, b.cost, rel_tol=1e-9, abs_tol=1e-12):
+            return a.cost < b.cost
+        return (a.finish, a.text) < (b.finish, b.text)
     return (a.at_risk, a.cost) < (b.at_risk, b.cost)
 
 
@@ -1489,9 +1512,10 @@ def load_streaming(
     stored (or `level`, fixed) and computes only what fails. `prior_mbps`: the link's expected
     rate (Mbit/s) for the first choice. `compute_tps`: prefill tokens/s to assume at every position
     instead of measuring and learning. `text_fallback=False`: nothing is computed; a chunk that
-    fails twice raises, the context unchanged. `oracle(nbytes)`: seconds the link will take for
-    nbytes from now (a bandwidth oracle, for benchmarks). `progress(record)` is called after each
-    chunk.
+    fails twice raises, the context unchanged. `kl_table`: the KL of each level on your model (a
+    figure for every lossy level; default LEVEL_KL, SmolLM2's), what plans minimise and the report's
+    expected_kl. `oracle(nbytes)`: seconds the link will take for nbytes from now (a bandwidth
+    oracle, for benchmarks). `progress(record)` is called after each chunk.
     A whole-container manifest (a state that could not be chunked) loads as `load_chunked` does.
     """
     for name, value in (("slo_s", slo_s), ("prior_mbps", prior_mbps), ("compute_tps", compute_tps)):
@@ -1500,14 +1524,16 @@ def load_streaming(
     if level is not None:
         level = codec.level_name(level)
     require_kv_cache(llm)  # before calibrating: no prefill of a model nothing could be loaded into
-    table = dict(LEVEL_KL if kl_table is None else kl_table)
+    table = _kl_table(kl_table)
     store_url, key = chunks.split_manifest_url(url)
     t0 = time.perf_counter()  # the SLO's clock: what the caller waits for counts
     speed = None if compute_tps is None else _PrefillSpeed(compute_tps, _CALIBRATION_TOKENS)
-    calibration = _Calibration(llm) if speed is None and slo_s is not None and text_fallback else None
+    adapts = slo_s is not None and level is None and text_fallback
     with stores.open_store(store_url) as store, contextlib.ExitStack() as waits:
+        # started once the store is open, joined on every way out: no prefill outlives the call
+        calibration = _Calibration(llm) if speed is None and adapts else None
         if calibration is not None:
-            waits.callback(calibration.join)  # a load that ends early leaves no prefill running
+            waits.callback(calibration.join)
         data = store.get(key) if manifest is None else bytes(manifest)
         if calibration is not None:
             speed = calibration.result()
