@@ -284,3 +284,78 @@ def test_a_damaged_chunk_is_a_miss_and_goes(tmp_path: Path, states: list[llama_c
     assert not cache.store.exists(key) and (cache.hits, cache.misses) == (0, 1)
     cache[_tokens(states[1])] = states[1]  # written again, whole
     assert np.array_equal(cache[_tokens(states[1])].input_ids[: 2 * C], _tokens(states[1])[: 2 * C])
+
+
+def test_a_hit_keeps_the_seed_and_is_recorded_at_its_level(tmp_path: Path) -> None:
+    """A hit replaces the context's state: llama-cpp-python's load_state takes the seed from it,
+    so it carries the Llama's own (a seed of 0 made every sampled answer after a hit the same, and
+    another than without the cache); a balanced hit is recorded as a lossy load (else a lossless
+    save of the context stored balanced K/V as its tokens' exact chunks)."""
+    from llama_cachegen.llama import lossy_level
+
+    prompt = " ".join(sample_text("gfdl-1.3.txt").split()[:60])
+    answers, seeds = [], []
+    for level in (None, "balanced", "balanced"):
+        llm = smollm(seed=1234)
+        cache = None if level is None else CompressedStateCache(tmp_path, level=level, chunk_tokens=C)
+        llm.set_cache(cache)
+        out = llm.create_completion(prompt, max_tokens=8, temperature=0.9, seed=None)
+        answers.append(out["choices"][0]["text"])
+        seeds.append(llm._seed)  # llama-cpp-python draws each completion's seed from the one before
+    assert cache is not None and cache.hits == 1
+    assert seeds[0] == seeds[1] == seeds[2]
+    tokens = np.array(llm.tokenize(prompt.encode()), dtype=np.intc)
+    assert lossy_level(llm, None, tokens) == "balanced"
+    assert answers[0] == answers[1]  # the miss samples as without a cache
+
+
+def test_one_cache_serves_one_llama(tmp_path: Path) -> None:
+    """Bound to a second Llama, a cache looked up under its fingerprint and loaded into the first
+    (other RoPE: wrong answers; another n_ctx: a broken token list): refused. With logits_all the
+    cached positions' rows are NaN (they were a flat -log(n_vocab): prompt logprobs that looked
+    real)."""
+    first = smollm()
+    cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C)
+    first.set_cache(cache)
+    first.set_cache(cache)  # the same Llama again: fine
+    with pytest.raises(InvalidArgumentError, match="another Llama"):
+        smollm(n_ctx=256).set_cache(cache)
+    prompt = " ".join(sample_text("gpl-3.0.txt").split()[:60])
+    expected = greedy(first, prompt, 4)
+    every = smollm(logits_all=True)
+    every_cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C)
+    every.set_cache(every_cache)
+    assert greedy(every, prompt, 4) == expected and every_cache.hits == 1
+    cached = len(every.tokenize(prompt.encode())) // C * C
+    assert np.isnan(every.scores[: cached - 1]).all() and np.isfinite(every.scores[cached]).all()
+
+
+def test_a_store_that_fails_during_a_hit_keeps_its_chunks(tmp_path: Path) -> None:
+    """A read that fails on its way (a timeout, a reset) says nothing of the chunks: the hit is a
+    miss and they stay (they were removed as damaged, from a store others share)."""
+    from llama_cachegen.errors import StoreError
+    from llama_cachegen.stores.file import FileStore
+
+    class Flaky(FileStore):
+        failing = False
+
+        def get(self, key: str) -> bytes:
+            if self.failing and "/chunks/" in key:
+                raise StoreError(f"timed out reading {key!r}")
+            return super().get(key)
+
+    prompt = " ".join(sample_text("gpl-3.0.txt").split()[:60])
+    writer = smollm()
+    writer.set_cache(CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C))
+    expected = greedy(writer, prompt, 4)
+    store = Flaky(tmp_path)
+    cache = CompressedStateCache(store, level="lossless", chunk_tokens=C)
+    before = chunk_objects(cache)
+    llm = smollm()
+    llm.set_cache(cache)
+    store.failing = True
+    assert greedy(llm, prompt, 4) == expected and (cache.hits, cache.misses) == (0, 1)
+    store.failing = False
+    assert {k: v for k, v in chunk_objects(cache).items() if k in before} == before
+    llm.reset()
+    assert greedy(llm, prompt, 4) == expected and cache.hits == 1

@@ -317,6 +317,10 @@ def test_bad_chunks_are_refused_and_leave_the_context(saved_small: dict[str, Any
     chunker = codec.Chunker(state, "lossless", kind="full_buffer")
     store.put(key[2], chunker.chunk(meta.begin, meta.end, bytes.fromhex(meta.stats_id), meta.pack()))
     _refused(target, load, ModelMismatchError, "another model")
+    meta = chunks.ChunkMeta.unpack(codec.user_meta(good))
+    meta.level = ["lossless"]  # type: ignore[assignment]  # JSON a writer of its own could make
+    store.put(key[2], chunker.chunk(meta.begin, meta.end, bytes.fromhex(meta.stats_id), meta.pack()))
+    _refused(target, load, CorruptDataError, "level")
     store.put(key[2], good)
 
     stats_key = f"{PREFIX}stats/{meta.stats_id}"
@@ -481,3 +485,31 @@ def test_a_sequence_save_loads_its_prefix_into_another_sequence(
     assert capture_state(llm, 0) == seq0 and codec.inspect_state(capture_state(llm, 1))["cells"] == 192
     chunks.save_chunked(writer, tmp_path / "all", levels=("lossless",), chunk_tokens=64)
     _refused(llm, lambda: chunks.load_chunked(llm, tmp_path / "all", seq_id=1), InvalidArgumentError, "whole")
+
+
+def test_load_prefix_takes_a_level_by_number(saved_small: dict[str, Any], tmp_path: Path) -> None:
+    """As load_chunked does: level=0 is lossless (it matched no chunk: the number was compared
+    with level names)."""
+    tokens = saved_small["manifest"].meta.tokens
+    by_name = chunks.load_prefix(_llama(n_ctx=512), tmp_path, tokens, chunk_tokens=64, level="lossless")
+    by_number = chunks.load_prefix(_llama(n_ctx=512), tmp_path, tokens, chunk_tokens=64, level=0)
+    assert by_number.tokens == by_name.tokens == tokens.size == 230  # its tokens, all of them
+
+
+def test_a_lora_context_shares_no_chunks_with_its_model(gpl_tokens: list[int], tmp_path: Path) -> None:
+    """A LoRA adapter on K changes every key the context caches: its chunks are not the model's
+    (they were: same fingerprint and keys, and each was served the other's K/V as its own)."""
+    from tiny_models import write_lora_k
+
+    lora = write_lora_k(tmp_path / "lora-k.gguf", n_layer=30, n_embd=576, n_embd_k=192)
+    adapted, plain = _llama(n_ctx=512, lora_path=str(lora)), _llama(n_ctx=512)
+    tokens = gpl_tokens[:130]
+    adapted.eval(tokens)
+    plain.eval(tokens)
+    assert capture_state(adapted, None) != capture_state(plain, None)  # the adapter moves K
+    fingerprint = model_fingerprint(adapted)
+    assert fingerprint["lora"] and model_fingerprint(plain)["lora"] is None
+    chunks.save_chunked(adapted, tmp_path / "adapted", levels=("lossless",), chunk_tokens=64)
+    report = chunks.save_chunked(plain, tmp_path / "plain", levels=("lossless",), chunk_tokens=64)
+    assert report.objects_written > 0  # none of the adapted context's chunks passed for its own
+    _refused(plain, lambda: chunks.load_chunked(plain, tmp_path / "adapted"), ModelMismatchError, "lora")

@@ -311,3 +311,20 @@ def test_save_to_bytes_and_report(saved: dict[str, Any], tmp_path: Path) -> None
     blob = llm.save_compressed_state(level="lossless")
     meta = StateMeta.unpack(codec.user_meta(blob))
     assert meta.scope == "all" and meta.tokens.tolist() == saved["prefix"] and meta.logits is None
+
+
+def test_a_load_takes_the_savers_seed_and_no_stale_prompt_logits(tmp_path: Path) -> None:
+    """As llama-cpp-python's load_state: the saver's seed comes back, so a sampled continuation is
+    the saver's (it was the loader's own seed's). With logits_all only the last row travels: the
+    rows before it are NaN, not the numbers of whatever the context held before (echo logprobs)."""
+    saver = smollm(seed=1234)
+    tokens = saver.tokenize(sample_text("gpl-3.0.txt").encode())[:PREFIX]
+    saver.eval(tokens)
+    saver.save_compressed_state(tmp_path / "ctx.lcg", level="lossless")
+    expected = saver.create_completion(tokens, max_tokens=8, temperature=0.9)["choices"][0]["text"]
+    loader = smollm(seed=7, logits_all=True)
+    loader.eval(loader.tokenize(b"Another context entirely, whose logits must not pass for the loaded ones."))
+    loader.load_compressed_state(tmp_path / "ctx.lcg")
+    assert loader._seed == 1234
+    assert np.isnan(loader.scores[: PREFIX - 1]).all()
+    assert loader.create_completion(tokens, max_tokens=8, temperature=0.9)["choices"][0]["text"] == expected

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import DEAD_WRITER, free_port, wait_port
@@ -405,3 +406,52 @@ def test_dead_writers_temporaries_are_counted_and_swept_at_once(tmp_path: Path) 
     finally:
         live.abort()
     assert store.temporaries() == []
+
+
+def _within(seconds: float, call: Any) -> BaseException | None:
+    """What `call` raised, on a thread given `seconds`: a call that blocks fails the test instead of
+    hanging the suite."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert outcome, f"still blocked after {seconds} s"
+    return outcome[0]
+
+
+def test_a_fifo_planted_in_a_store_is_no_entry_and_blocks_no_reader(tmp_path: Path) -> None:
+    """Anyone who can write to a shared folder can put a FIFO where an object goes: opening it
+    blocked every reader until a writer came, before any tag or type was checked."""
+    store = FileStore(tmp_path)
+    (tmp_path / "lcg4").mkdir()
+    os.mkfifo(tmp_path / "lcg4" / "ctx")
+    assert isinstance(_within(10, lambda: store.get("lcg4/ctx")), EntryNotFoundError)
+    assert isinstance(_within(10, lambda: read_url((tmp_path / "lcg4" / "ctx").as_uri())), StoreError)
+
+
+def test_listings_hold_only_keys_a_store_can_delete(tmp_path: Path, redis_url: str) -> None:
+    """A name planted beside the entries (a file store's folder, a Redis store's LRU set) that is no
+    valid key was listed, and an eviction that met it first (oldest) stopped there for good; a
+    member that is not UTF-8 failed every listing."""
+    import redis
+
+    store = FileStore(tmp_path)
+    store.put("lcg4/chunks/a", b"x")
+    (tmp_path / "lcg4" / "chunks" / "junk name").write_bytes(b"y")
+    os.utime(tmp_path / "lcg4" / "chunks" / "junk name", (0, 0))
+    assert [e.key for e in store.list("lcg4/")] == ["lcg4/chunks/a"]
+    prefix = f"t{os.getpid()}-listing:"
+    with open_store(f"{redis_url}?prefix={prefix}") as rstore:
+        rstore.put("lcg4/chunks/a", b"x")
+        client = redis.Redis.from_url(redis_url)
+        client.zadd(f"{prefix}__lru__", {b"\xff\xfe": 0, b"junk name": 0})
+        assert [e.key for e in rstore.list("")] == ["lcg4/chunks/a"]
+        client.close()

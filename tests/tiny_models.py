@@ -407,3 +407,18 @@ def reference_logits(model: Path) -> dict[str, np.ndarray]:
         llm.eval(tokens)
         out[name] = continuation(llm, len(tokens))
     return out
+
+
+def write_lora_k(path: Path, *, n_layer: int, n_embd: int, n_embd_k: int, rank: int = 8) -> Path:
+    """A LoRA adapter of random weights on every layer's K projection (SmolLM2: 30, 576, 192): a
+    context with it caches other keys than the model alone."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(rank))
+    t = _Weights(w, seed=7)
+    for i in range(n_layer):
+        t.random(f"blk.{i}.attn_k.weight.lora_a", n_embd, rank, scale=0.05)
+        t.random(f"blk.{i}.attn_k.weight.lora_b", rank, n_embd_k, scale=0.05)
+    _finish(w)
+    return path

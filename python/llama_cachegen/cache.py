@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,14 @@ import numpy as np
 from llama_cpp.llama_cache import BaseLlamaCache
 
 from . import chunks, codec
-from .errors import CacheGenError, CorruptDataError, EntryNotFoundError, InvalidArgumentError, StoreError
+from .errors import (
+    CacheGenError,
+    CorruptDataError,
+    EntryNotFoundError,
+    InvalidArgumentError,
+    NativeMemoryError,
+    StoreError,
+)
 from .llama import (
     StateMeta,
     better_level,
@@ -35,6 +43,7 @@ from .llama import (
     has_recurrent_state,
     lossy_level_anywhere,
     model_fingerprint,
+    record_load,
 )
 from .model import cache_dir
 from .stores import Store, open_store
@@ -60,7 +69,10 @@ class CompressedStateCache(BaseLlamaCache):
     recently used first. Chunks hold `chunk_tokens` tokens at `level`.
 
     The cache must know its model (`model=`, or `llama_cachegen.Llama.set_cache` binds it): the
-    fingerprint is part of every key. A hit is reported only once every chunk passed its checks
+    fingerprint is part of every key. One cache serves one Llama (a hit replaces that context's
+    state, its seed kept); Llamas share a store, each with its own cache. No logits travel with
+    chunks: with `logits_all=True` the rows of the cached positions are NaN (prompt logprobs over
+    them are unknown). A hit is reported only once every chunk passed its checks
     (authentication tag when the store has a key, key chain, tokens, fingerprint, checksums) and
     decoded; anything that fails, or that llama.cpp still refuses (llama_cachegen.Llama), is
     removed and counts as a miss.
@@ -92,6 +104,7 @@ class CompressedStateCache(BaseLlamaCache):
         self.namespace = "unbound"
         self.hits = self.misses = 0
         self._fingerprint: dict[str, Any] | None = None
+        self._llm: weakref.ref[llama_cpp.Llama] | None = None
         self._n_ctx: int | None = None
         self._recurrent = False
         self._no_kv = False
@@ -99,7 +112,15 @@ class CompressedStateCache(BaseLlamaCache):
             self.bind(model)
 
     def bind(self, llm: llama_cpp.Llama) -> None:
-        """Ties the cache to `llm`'s model fingerprint: chunks of other models are never seen."""
+        """Ties the cache to `llm` and its model fingerprint: chunks of other models are never seen.
+        A cache bound to another Llama is refused: it would look up under one fingerprint and load
+        into a context of another (RoPE, n_ctx, ...)."""
+        bound = None if self._llm is None else self._llm()
+        if bound is not None and bound is not llm:
+            raise InvalidArgumentError(
+                "this CompressedStateCache serves another Llama: give each Llama its own cache (on one store)"
+            )
+        self._llm = weakref.ref(llm)
         self._fingerprint = model_fingerprint(llm)
         self.namespace = fingerprint_key(self._fingerprint)
         self._n_ctx = len(llm.input_ids)
@@ -197,24 +218,34 @@ class CompressedStateCache(BaseLlamaCache):
             self._drop(match)
             self.misses += 1
             raise KeyError("cached prefix evicted meanwhile") from None
+        except (StoreError, NativeMemoryError, OSError) as exc:  # the store or memory failed, not
+            # the chunks (they were dropped too, on a timeout): a miss that keeps them
+            _log.warning("prompt cache: hit not read, a miss: %s", exc)
+            self.misses += 1
+            raise KeyError(f"cached prefix not read: {exc}") from exc
         except CacheGenError as exc:  # damaged, foreign or forged: drop it and miss rather than fail
             self._drop(match)
             self.misses += 1
             raise KeyError(f"unusable cached prefix: {exc}") from exc
         self._mark_used(used)
         self.hits += 1
+        llm = None if self._llm is None else self._llm()
+        if llm is not None:  # what a content-addressed save of this context must know (lossy_level)
+            record_load(llm, None, prefix, None if self.level == "lossless" else (0, self.level))
         input_ids = np.zeros(self._n_ctx or prefix.size, dtype=np.intc)
         input_ids[: prefix.size] = prefix
         n_vocab = int(fingerprint.get("n_vocab") or 1)
         # no logits travel with chunks: llama-cpp-python evaluates at least the prompt's last token
+        # again; load_state spreads this row over the cached positions (logits_all: NaN, unknown)
+        unknown = np.nan if llm is not None and llm._logits_all else 0.0
         return _CachedState(
             lambda: self._discard(match),
             input_ids=input_ids,
-            scores=np.zeros((1, n_vocab), np.single),
+            scores=np.full((1, n_vocab), unknown, np.single),
             n_tokens=int(prefix.size),
             llama_state=bytes(state),
             llama_state_size=len(state),
-            seed=0,
+            seed=getattr(llm, "_seed", 0),  # llama-cpp-python's load_state sets it: kept
         )
 
     def _mark_used(self, keys: list[str]) -> None:

@@ -214,7 +214,7 @@ class ChunkMeta:
         )
         for name in ("key", "prev", "stats", "skeleton"):
             require(_is_hex_id(h.get(name)), what, name)
-        require(h.get("level") in codec.LEVELS, what, "level")
+        require(isinstance(h.get("level"), str) and h["level"] in codec.LEVELS, what, "level")
         require(isinstance(h.get("fingerprint_key"), str), what, "fingerprint_key")
         c, begin, end = h.get("chunk_tokens"), h.get("begin"), h.get("end")
         require(is_int(c) and MIN_CHUNK_TOKENS <= c <= MAX_CHUNK_TOKENS, what, "chunk_tokens")
@@ -827,7 +827,7 @@ def load_chunked(
         t1 = time.perf_counter()
         state, _, figures = _assemble(reader, m.skeleton, threads)
     t2 = time.perf_counter()
-    restore_context(llm, state, target, tokens, m.meta.logits, figures["lossy"])
+    restore_context(llm, state, target, tokens, m.meta.logits, figures["lossy"], m.meta.seed)
     t3 = time.perf_counter()
     bytes_read = len(data) + reader.bytes_read
     return LoadReport(
@@ -931,7 +931,7 @@ def load_prefix(
     """
     t0 = time.perf_counter()
     if level is not None:
-        codec._level(level)
+        level = codec.level_name(level)  # a number too, as load_chunked takes it
     _seq_id_ok(llm, seq_id)
     query = np.asarray(tokens, dtype=np.intc)
     fingerprint = model_fingerprint(llm)

@@ -53,7 +53,8 @@ _FLASH_ATTN_NAMES = {
 # Fields that must be equal for a state to load (n_ctx is checked separately: smaller is fine):
 # the model, the KV layout llama.cpp writes (flash attention stores V untransposed, K/V types, one
 # KV stream per sequence unless unified, the SWA cache's size), the RoPE the keys were rotated by
-# (a context's overrides), the model's metadata overrides and the state format itself.
+# (a context's overrides), the model's metadata overrides, a LoRA adapter (it changes the K/V
+# projections: its keys are other keys) and the state format itself.
 FINGERPRINT_FIELDS = (
     "arch",
     "n_layer",
@@ -68,12 +69,13 @@ FINGERPRINT_FIELDS = (
     "swa_full",
     "rope",
     "overrides",
+    "lora",
     "model_hash",
     "state_format",
 )
 # ... left out of the canonical form (keys, namespaces) when None, so that the keys of contexts
 # without them are those stores held before the field existed
-_OPTIONAL_FIELDS = frozenset({"rope", "overrides"})
+_OPTIONAL_FIELDS = frozenset({"rope", "overrides", "lora"})
 # llama-cpp-python's Llama defaults for a context's RoPE (0 and -1: the model's own values)
 _ROPE_DEFAULTS: dict[str, float] = {
     "rope_scaling_type": -1,
@@ -168,6 +170,7 @@ class LoadReport:
 
 
 _hash_cache: dict[tuple[str, int, int], str] = {}
+_lora_hash_cache: dict[tuple[str, int, int], str] = {}
 
 
 def _model_hash(llm: llama_cpp.Llama) -> str:
@@ -250,6 +253,22 @@ def _kv_overrides(llm: llama_cpp.Llama) -> str | None:
     return json.dumps({str(k): v for k, v in overrides.items()}, sort_keys=True)
 
 
+def _lora(llm: llama_cpp.Llama) -> str | None:
+    """The context's LoRA adapter as `sha256 of its file x its scale`; None without one."""
+    path = getattr(llm, "lora_path", None)
+    if not path:
+        return None
+    st = os.stat(path)
+    cache_key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if cache_key not in _lora_hash_cache:  # adapters are small: all of the file
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _lora_hash_cache[cache_key] = h.hexdigest()
+    return f"{_lora_hash_cache[cache_key]} x {float(llm.lora_scale)!r}"
+
+
 def canonical_fingerprint(fingerprint: dict[str, Any]) -> dict[str, Any]:
     """The FINGERPRINT_FIELDS of `fingerprint` that keys and namespaces are computed from."""
     return {
@@ -278,6 +297,7 @@ def model_fingerprint(llm: llama_cpp.Llama) -> dict[str, Any]:
         "swa_full": bool(params.swa_full) if has_swa else None,  # the SWA cache's size; no SWA: moot
         "rope": _rope_overrides(params),
         "overrides": _kv_overrides(llm),
+        "lora": _lora(llm),
         "model_hash": _model_hash(llm),
         # the state layout changes with llama.cpp; llama-cpp-python pins one llama.cpp per release
         "state_format": (
@@ -502,7 +522,7 @@ def load_compressed_state(
     codec.decode_into(blob, state, threads=threads)
     t2 = time.perf_counter()
     lossy = None if info["level"] == "lossless" else (0, info["level"])
-    restore_context(llm, state, target, meta.tokens, meta.logits, lossy)
+    restore_context(llm, state, target, meta.tokens, meta.logits, lossy, meta.seed)
     own = target in (None, 0)
     t3 = time.perf_counter()
     return LoadReport(
@@ -567,13 +587,15 @@ def restore_context(
     tokens: np.ndarray,
     logits: np.ndarray | None,
     lossy: tuple[int, str] | None = None,
+    seed: int | None = None,
 ) -> None:
     """Loads `state` into the whole context (target None) or sequence `target`, emptied first, with
     one llama.cpp call; if llama.cpp refuses, ModelMismatchError, and if the state holds fewer positions than
     `tokens` names, CorruptDataError: either way the context is put back as it was (else cleared).
     For the whole context or sequence 0, llama-cpp-python's token list and last logits follow, so
     the next completion evaluates only what comes after `tokens`. `lossy` (exact_until, worst
-    level): the state's K/V from that position on was decoded from a lossy level (lossy_level)."""
+    level): the state's K/V from that position on was decoded from a lossy level (lossy_level).
+    `seed`: the saving context's sampling seed, taken as llama-cpp-python's load_state takes it."""
     backup = _state_array(llm, target)
     # llama.cpp clears the target itself only for a state with cells: an empty one would leave
     # what the target held under the loaded (empty) token list
@@ -591,7 +613,15 @@ def restore_context(
     if tokens.size > n_pos:
         message = f"the state holds {n_pos} positions but its token list has {tokens.size} ids"
         _put_back(llm, backup, target, CorruptDataError, message)
-    set_tokens(llm, target, tokens, logits)
+    set_tokens(llm, target, tokens, logits, seed)
+    record_load(llm, target, tokens, lossy)
+
+
+def record_load(
+    llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray, lossy: tuple[int, str] | None
+) -> None:
+    """Notes that the context (or sequence `target`) now holds the K/V of `tokens`, decoded from
+    a lossy level from position lossy[0] on (lossy_level), or exact (lossy None)."""
     records = _lossy_loads.setdefault(llm, {})
     if lossy is None:
         records.pop(target or 0, None)
@@ -610,16 +640,26 @@ def _put_back(
 
 
 def set_tokens(
-    llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray, logits: np.ndarray | None = None
+    llm: llama_cpp.Llama,
+    target: int | None,
+    tokens: np.ndarray,
+    logits: np.ndarray | None = None,
+    seed: int | None = None,
 ) -> None:
-    """llama-cpp-python's token list (and last logits, when kept) for KV that now holds `tokens`:
-    only for the whole context or sequence 0, the ones llama-cpp-python tracks."""
+    """llama-cpp-python's token list (and last logits, when kept) for KV that now holds `tokens`,
+    and the saver's seed: only for the whole context or sequence 0, the ones llama-cpp-python
+    tracks. With logits_all the rows before the last are NaN: only the last travels, and a prompt's
+    logprobs (echo) over loaded tokens would otherwise be another context's numbers."""
     if target in (None, 0):
         n = int(tokens.size)
         llm.input_ids[:n] = tokens
         llm.n_tokens = n
-        if logits is not None and n and llm._logits_all and logits.size == llm.n_vocab():
-            llm.scores[n - 1] = logits
+        if llm._logits_all and n:
+            llm.scores[: n - 1] = np.nan
+            if logits is not None and logits.size == llm.n_vocab():
+                llm.scores[n - 1] = logits
+        if seed is not None:
+            llm.set_seed(seed)
         llm._requires_eval = True  # llama.cpp keeps no logits in a state: the next token is decoded again
 
 

@@ -198,9 +198,10 @@ def server_fingerprint(
             "flash_attn": _FLASH_ATTN.get(flash_attn, flash_attn),
             "n_stream": n_stream,
             "swa_full": bool(swa_full) if has_swa else None,
-            # /props does not say the server's RoPE or metadata overrides: a proxy assumes none
+            # /props does not say the server's RoPE, metadata overrides or LoRA: a proxy assumes none
             "rope": None,
             "overrides": None,
+            "lora": None,
             "model_hash": _model_hash(holder),  # type: ignore[arg-type]
             "state_format": f"llama-server {props.get('build_info', '?')}, seq file v{GGSQ_VERSION}",
         }

@@ -1580,9 +1580,9 @@ def load_streaming(
                 for rec in loader.records:
                     if rec.level not in (TEXT, "lossless"):
                         lossy = chunks.worse_load(lossy, rec.begin, rec.level)
-                restore_context(llm, loader.state, target, tokens, m.meta.logits, lossy)
+                restore_context(llm, loader.state, target, tokens, m.meta.logits, lossy, m.meta.seed)
             else:
-                set_tokens(llm, target, tokens, m.meta.logits)
+                set_tokens(llm, target, tokens, m.meta.logits, m.meta.seed)
         except BaseException:
             loader.rollback()
             raise

@@ -47,9 +47,15 @@ class EntryInfo:
     mtime: float  # seconds since the epoch of the last write or touch: the LRU clock
 
 
+def is_key(key: str) -> bool:
+    """Whether `key` is a valid store key: what a store lists is only what it can also delete (an
+    entry planted under another name would stop an eviction that cannot pass it)."""
+    return bool(key) and all(_SEGMENT.fullmatch(seg) for seg in key.split("/"))
+
+
 def check_key(key: str) -> str:
     """Returns `key` if it is a valid store key, else raises InvalidArgumentError."""
-    if not key or not all(_SEGMENT.fullmatch(seg) for seg in key.split("/")):
+    if not is_key(key):
         raise InvalidArgumentError(f"invalid store key {key!r}: use '/'-separated [A-Za-z0-9._-] segments")
     return key
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
-from . import AuthKey, EntryInfo, Store, check_key
+from . import AuthKey, EntryInfo, Store, check_key, is_key
 
 _TMP_PREFIX = ".tmp-"
 # temporaries are named .tmp-<host>-<pid>-<random>-<name>: a sweeper on the same host can tell
@@ -36,6 +36,18 @@ _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_regular(name: str | Path, flags: int, dir_fd: int | None = None) -> int | None:
+    """A blocking read descriptor of the regular file `name`, or None for anything else. Opened
+    without blocking: a FIFO planted in a shared folder would block the open until a writer
+    came, before the file's type could be checked."""
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | flags, dir_fd=dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return fd
 
 
 def path_of(url: str | Path) -> Path:
@@ -131,7 +143,11 @@ def _finish(pending: PendingWrite, data: bytes | bytearray | memoryview, failure
 
 def read_path(path: Path) -> bytes:
     try:
-        return path.read_bytes()
+        fd = _open_regular(path, _CLOEXEC)
+        if fd is None:
+            raise StoreError(f"cannot read {path}: not a regular file")
+        with open(fd, "rb") as f:
+            return f.read()
     except FileNotFoundError:
         raise EntryNotFoundError(f"no file {path}") from None
     except OSError as exc:
@@ -181,16 +197,15 @@ class FileStore(Store):
         """The stored file of `key`, open for reading; EntryNotFoundError when absent."""
         try:
             with self._folder(key) as (dir_fd, name):
-                fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+                fd = _open_regular(name, _NOFOLLOW | _CLOEXEC, dir_fd)
         except (FileNotFoundError, NotADirectoryError):
             raise EntryNotFoundError(f"{key!r} not in {self.url}") from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # a link is no entry: a store follows none
                 raise EntryNotFoundError(f"{key!r} is a link in {self.url}, not an entry") from None
             raise self._failure("read", key, exc) from exc
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise EntryNotFoundError(f"{key!r} is a folder of {self.url}, not an entry")
+        if fd is None:
+            raise EntryNotFoundError(f"{key!r} in {self.url} is a folder or a special file, not an entry")
         return open(fd, "rb")
 
     def _get(self, key: str) -> bytes:
@@ -272,7 +287,7 @@ class FileStore(Store):
                 if (name.startswith(_TMP_PREFIX) if temporaries else name.startswith(".")) != temporaries:
                     continue  # entries are the visible files, temporaries the .tmp- ones
                 key = base + (name.split("-", 4)[-1] if temporaries else name)
-                if not key.startswith(prefix):
+                if not key.startswith(prefix) or not is_key(key):
                     continue
                 try:
                     st = os.lstat(os.path.join(dirpath, name))

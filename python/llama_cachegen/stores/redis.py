@@ -12,7 +12,7 @@ import urllib.parse
 from typing import Any
 
 from ..errors import EntryNotFoundError, StoreError
-from . import AuthKey, EntryInfo, Store, check_key
+from . import AuthKey, EntryInfo, Store, check_key, is_key
 
 
 class RedisStore(Store):
@@ -71,7 +71,9 @@ class RedisStore(Store):
 
     def list(self, prefix: str = "") -> list[EntryInfo]:
         members = self._call("ZRANGE", self._redis.zrange, self._lru, 0, -1, withscores=True)
-        keys = [(m.decode(), score) for m, score in members if m.decode().startswith(prefix)]
+        # any client of the server can add members: one that is no key of ours is skipped
+        named = ((m.decode("utf-8", "replace"), score) for m, score in members)
+        keys = [(key, score) for key, score in named if key.startswith(prefix) and is_key(key)]
         pipe = self._redis.pipeline(transaction=False)
         for key, _ in keys:
             pipe.exists(self.prefix + key)
