@@ -101,6 +101,16 @@ def test_errors_are_reported_not_raised(slot_file: Path, tmp_path: Path) -> None
     stub.write_bytes(b"LCGM")  # a manifest's magic and nothing else
     proc = _cli("inspect", stub, check=False)
     assert proc.returncode == 1 and "a llama-cachegen manifest cut short: 4 bytes" in proc.stderr
+    # each of these was a traceback
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe not text")
+    for args, says in (
+        (("inspect", "http://[::1/x"), "malformed URL"),
+        (("eval", "--text", binary, "--tokens", "64"), "is not UTF-8 text"),
+        (("demo", "--tokens", "120", "--n-ctx", "128"), "do not fit --n-ctx 128"),
+    ):
+        proc = _cli(*args, check=False)
+        assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_decompress_says_what_a_non_container_is(slot_file: Path, tmp_path: Path) -> None:
@@ -245,3 +255,24 @@ def test_internal_worker_is_hidden_and_messages_are_clean(tmp_path: Path) -> Non
     assert proc.stderr.strip() == f"llama-cachegen decompress: error: no file {tmp_path / 'missing.bin'}"
     proc = _cli("eval", "--text", str(tmp_path / "missing.txt"), check=False)
     assert "error: No such file or directory:" in proc.stderr and "'" not in proc.stderr
+
+
+def test_a_key_tags_containers_not_llama_cpp_files(
+    slot_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With LLAMA_CACHEGEN_KEY set (as on every proxy host) compress refused every slot file
+    ("carries no authentication tag") and decompress wrote the state behind a tag header, a file
+    llama.cpp cannot load, with exit status 0. llama.cpp's files carry no tag; containers do."""
+    from llama_cachegen.stores import TAG_MAGIC
+
+    plain = tmp_path / "plain.lcg"
+    _cli("compress", slot_file, plain, "--level", "lossless")
+    monkeypatch.setenv("LLAMA_CACHEGEN_KEY", "k3y")
+    packed, unpacked = tmp_path / "slot.lcg", tmp_path / "slot.bin"
+    _cli("compress", slot_file, packed, "--level", "lossless")
+    assert packed.read_bytes().startswith(TAG_MAGIC)
+    _cli("decompress", packed, unpacked)
+    assert unpacked.read_bytes() == slot_file.read_bytes()
+    assert json.loads(_cli("inspect", slot_file, "--json").stdout)["type"] == "llama.cpp state"
+    untagged = _cli("inspect", plain, check=False)  # a container must still carry its tag
+    assert untagged.returncode == 1 and "tag" in untagged.stderr

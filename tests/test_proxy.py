@@ -31,6 +31,7 @@ from llama_cachegen.proxy import (
     RESTORED_HEADER,
     STATS_PATH,
     Sharing,
+    _no_cache_reuse,
     _timings,
     common_prefix,
     read_slot_file,
@@ -98,6 +99,9 @@ def test_helpers() -> None:
     assert common_prefix(a, a[:0]) == 0 and common_prefix(a, a) == 4
     sse = b'data: {"x":1}\n\ndata: {"timings":{"prompt_n":12,"predicted_n":5,"prompt_per_second":1e3}}\n\n'
     assert _timings(sse) == {"prompt_n": 12.0, "predicted_n": 5.0, "prompt_per_second": 1000.0}
+    assert json.loads(_no_cache_reuse(b'{"prompt": "x", "n_cache_reuse": 16}'))["n_cache_reuse"] == 0
+    for other in (b"[1, 2]", b"not json", b'"x"'):
+        assert _no_cache_reuse(other) == other
 
 
 def test_refuses_public_listen_without_token(tmp_path: Path) -> None:
@@ -600,3 +604,16 @@ def test_killed_mid_upload_leaves_no_torn_entry(
         f"{len(leftovers)} partial write(s) left; B restored {restored} of {len(prompt)} tokens; "
         f"answer {out_b['content']!r}, cold {cold['content']!r}"
     )
+
+
+def test_no_kv_moved_from_another_prompt_goes_into_a_slot(nodes: tuple[Node, Node]) -> None:
+    """llama-server's cache reuse (a request's n_cache_reuse, or --cache-reuse) moves K/V of an
+    earlier prompt to new positions: K/V that saw other tokens, which the slot save after the
+    response handed the proxy as these tokens' exact K/V, uploaded for every server. The proxy
+    turns it off: B after A+B is computed, not moved."""
+    a, _ = nodes
+    text = _tokenize(a.server, sample_text("gfdl-1.3.txt"), add_special=False)
+    first, second = text[:160], text[160:320]
+    _complete(a.proxy, first + second)
+    out, _ = _complete(a.proxy, second, n_cache_reuse=16)
+    assert out["timings"]["prompt_n"] == len(second)

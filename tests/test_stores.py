@@ -4,6 +4,7 @@ subprocess, all on 127.0.0.1."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import os
 import signal
 import socket
@@ -455,3 +456,66 @@ def test_listings_hold_only_keys_a_store_can_delete(tmp_path: Path, redis_url: s
         client.zadd(f"{prefix}__lru__", {b"\xff\xfe": 0, b"junk name": 0})
         assert [e.key for e in rstore.list("")] == ["lcg4/chunks/a"]
         client.close()
+
+
+class _Hostile(http.server.BaseHTTPRequestHandler):
+    """A server that answers what a store's client must not take: redirects and bad listings."""
+
+    LISTINGS = {
+        "/listing/": b'[{"key": "listing/ok.bin", "size": 1, "mtime": 0},'
+        b' {"key": "../../etc/passwd", "size": 1, "mtime": 0},'
+        b' {"key": "listing/bad key", "size": 1, "mtime": 0}]',
+        "/infinite/": b'[{"key": "infinite/a", "size": 1e400, "mtime": 0}]',
+    }
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = self.LISTINGS.get(self.path, b"redirect!")
+        self.send_response(200 if self.path in self.LISTINGS else 302)
+        self.send_header("Location", "http://127.0.0.1:9/elsewhere")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_PUT = do_DELETE = do_HEAD = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_client_takes_no_redirect_or_foreign_listing_for_an_answer() -> None:
+    """A redirect (say http -> https in front of the server) was success: a put stored nothing and
+    returned, a get returned the redirect's page as the value, exists and delete said yes. Listing
+    entries outside the store's folder or with invalid keys were kept (cut to garbage keys that
+    eviction would delete), and a size of 1e400 raised OverflowError."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with open_store(f"{base}/redirect") as store:
+            for call in (
+                lambda: store.put("a.bin", b"x"),
+                lambda: store.get("a.bin"),
+                lambda: store.exists("a.bin"),
+                lambda: store.delete("a.bin"),
+            ):
+                with pytest.raises(StoreError, match="302"):
+                    call()
+        with open_store(f"{base}/listing") as store:
+            assert [e.key for e in store.list()] == ["ok.bin"]
+        with open_store(f"{base}/infinite") as store, pytest.raises(StoreError, match="unreadable listing"):
+            store.list()
+        with pytest.raises(InvalidArgumentError, match="visible ASCII"):
+            open_store(base, token="a\nb")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_authorization_header_that_is_not_utf8_is_refused(token_server: tuple[str, Path]) -> None:
+    """aiohttp keeps its bytes as surrogates: the comparison raised, a 500 with a traceback."""
+    base, root = token_server
+    head = b"PUT /u.bin HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3\xffcret\r\nContent-Length: 1\r\n\r\nx"
+    answer = _exchange(int(base.rsplit(":", 1)[1]), head)
+    assert answer.split(b"\r\n", 1)[0].split()[1] == b"401" and not (root / "u.bin").exists()

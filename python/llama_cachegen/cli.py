@@ -16,7 +16,13 @@ from typing import Any
 
 from . import codec
 from .envelope import is_manifest
-from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, NotAContainerError
+from .errors import (
+    AuthenticationError,
+    CacheGenError,
+    CorruptDataError,
+    InvalidArgumentError,
+    NotAContainerError,
+)
 from .llama_format import GGML_TYPES
 from .stores import read_url, write_url
 
@@ -45,9 +51,14 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 def _text(name_or_path: str) -> str:
     from .model import TEXTS, sample_text
 
-    return (
-        sample_text(name_or_path) if name_or_path in TEXTS else Path(name_or_path).read_text(encoding="utf-8")
-    )
+    if name_or_path in TEXTS:
+        return sample_text(name_or_path)
+    try:
+        return Path(name_or_path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(
+            f"{name_or_path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
 
 
 def _model(path: str | None) -> str:
@@ -100,6 +111,11 @@ def _demo_worker(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {}
     if args.role == "prefill":
         tokens = llm.tokenize(_text(args.text).encode())[: args.tokens]
+        if len(tokens) + len(question) >= args.n_ctx:
+            raise InvalidArgumentError(
+                f"{len(tokens)} context tokens and the {len(question)}-token question do not fit "
+                f"--n-ctx {args.n_ctx}: give a larger --n-ctx or fewer --tokens"
+            )
         result["prefill_s"] = _prefill(llm, tokens)
         start = time.perf_counter()
         blob = save_compressed_state(llm, level=args.level, threads=args.threads)
@@ -234,9 +250,25 @@ def _check_output(args: argparse.Namespace) -> None:
         )
 
 
+def _read_state(url: str) -> bytes:
+    """An object that may be a llama.cpp state (a slot or session file): llama.cpp tags none, so
+    with LLAMA_CACHEGEN_KEY set an untagged one is read as it is (it was refused: no slot file
+    could be compressed); a container or manifest must still carry its tag."""
+    try:
+        return read_url(url)
+    except AuthenticationError:
+        data = read_url(url, auth_key="")
+        try:
+            codec.inspect(data)
+        except NotAContainerError:
+            if not is_manifest(data):
+                return data
+        raise
+
+
 def _compress(args: argparse.Namespace) -> int:
     _check_output(args)
-    data = read_url(args.input)
+    data = _read_state(args.input)
     start = time.perf_counter()
     blob = codec.encode(data, args.level, kind=args.kind, threads=args.threads)
     seconds = time.perf_counter() - start
@@ -294,7 +326,7 @@ def _decompress(args: argparse.Namespace) -> int:
         )
     data = codec.decode(blob, threads=args.threads)
     seconds = time.perf_counter() - start
-    write_url(args.output, data)
+    write_url(args.output, data, auth_key="")  # for llama.cpp, which reads no tag
     result = {
         "input": str(args.input),
         "output": str(args.output),
@@ -373,7 +405,7 @@ def _checksums(data: bytes, part: str) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    data = read_url(args.file)
+    data = _read_state(args.file)
     try:
         if is_manifest(data):
             info: dict[str, Any] = _manifest_info(data)
@@ -646,7 +678,11 @@ def _llama_server(argv: list[str]) -> int:
     except CacheGenError as exc:
         print(f"llama-cachegen llama-server: error: {_message(exc)}", file=sys.stderr)
         return 1
-    os.execv(path, [str(path), *argv])
+    try:
+        os.execv(path, [str(path), *argv])
+    except OSError as exc:
+        print(f"llama-cachegen llama-server: error: cannot run {path}: {_message(exc)}", file=sys.stderr)
+        return 1
 
 
 def _proxy(args: argparse.Namespace) -> int:

@@ -609,6 +609,8 @@ class Proxy:
             return web.json_response(self.stats.__dict__)
         if request.method == "POST" and request.path in COMPLETION_PATHS | CHAT_PATHS:
             return await self._completion(request, chat=request.path in CHAT_PATHS)
+        if request.method == "POST" and request.path == "/infill":
+            return await self._forward(request, _no_cache_reuse(await request.read()))
         return await self._forward(request, await request.read())
 
     async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
@@ -663,7 +665,9 @@ class Proxy:
             prompt: Any = (await self._call("POST", "/apply-template", body))["prompt"]
         else:
             prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            if not all(-(2**31) <= t < 2**31 for t in prompt):
+                return None  # no token id: the server answers for it
             return np.asarray(prompt, dtype=np.intc)  # token ids go in as they are
         mixed = (
             isinstance(prompt, list)
@@ -691,15 +695,15 @@ class Proxy:
         return slot
 
     async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        raw = await request.read()
+        raw = _no_cache_reuse(await request.read())
         try:
             body = json.loads(raw)
         except ValueError:
             return await self._forward(request, raw)
         tokens = None
         # cache_prompt false: the client wants the prompt computed from scratch (a cold prefill's
-        # exact numbers); nothing is restored for it
-        if isinstance(body, dict) and self.slots and body.get("cache_prompt", True) is not False:
+        # exact numbers); nothing is restored for it (nor for a value the server refuses)
+        if isinstance(body, dict) and self.slots and body.get("cache_prompt", True) is True:
             try:
                 tokens = await self._prompt_tokens(body, chat)
             except CacheGenError as exc:
@@ -849,6 +853,11 @@ class Proxy:
                     slot.tokens, _ = read_slot_file(data)
                     if slot.lossy is not None and slot.lossy.held_by(slot.tokens):  # while it is held
                         lossy = slot.lossy.level
+                    if common_prefix(slot.tokens, tokens) < tokens.size:
+                        # the server shifted the context (--context-shift): the K/V it kept was
+                        # computed beside tokens it dropped, not its own tokens' exact K/V
+                        log.warning("slot %d: the server shifted its context: not uploaded", slot.id)
+                        data = None
         except (CacheGenError, OSError) as exc:
             log.warning("slot %d: save failed (%s)", slot.id, exc)
         finally:
@@ -885,6 +894,21 @@ class Proxy:
 
 
 _TIMING = re.compile(rb'"(prompt_n|predicted_n|prompt_per_second)"\s*:\s*([0-9.eE+-]+)')
+
+
+def _no_cache_reuse(raw: bytes) -> bytes:
+    """A JSON request body with `n_cache_reuse` 0 (else as it is). llama-server's cache reuse (the
+    request's field, or its --cache-reuse) moves K/V of another prompt to new positions: K/V that
+    saw other tokens, which a slot save would hand this proxy as its tokens' exact K/V. Every
+    completion the proxy passes sets it, so that no slot it uploads from holds such K/V."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw
+    if not isinstance(body, dict):
+        return raw
+    body["n_cache_reuse"] = 0
+    return json.dumps(body).encode()
 
 
 def _timings(tail: bytes) -> dict[str, float]:

@@ -200,7 +200,7 @@ def open_store(url: str, *, auth_key: AuthKey = None, token: str | None = None) 
     `auth_key` tags and verifies every object (default: LLAMA_CACHEGEN_KEY; "" for none); `token`
     is an HTTP store's bearer token (default: LLAMA_CACHEGEN_TOKEN), ignored by other stores.
     """
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    scheme = _urlsplit(url).scheme.lower()
     if is_local(url):
         from .file import FileStore
 
@@ -216,9 +216,16 @@ def open_store(url: str, *, auth_key: AuthKey = None, token: str | None = None) 
     raise InvalidArgumentError(f"unsupported store URL scheme {scheme!r} in {url!r}")
 
 
+def _urlsplit(url: str) -> urllib.parse.SplitResult:
+    try:
+        return urllib.parse.urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL", a port out of range
+        raise InvalidArgumentError(f"malformed URL {url!r}: {exc}") from None
+
+
 def is_local(url: str) -> bool:
     """True for a plain path or a `file://` URL."""
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    scheme = _urlsplit(url).scheme.lower()
     return scheme in ("", "file") or len(scheme) == 1  # one letter: a Windows drive, i.e. a path
 
 
@@ -228,7 +235,7 @@ def split_url(url: str) -> tuple[str, str]:
     `http://h:p/a/b` -> `http://h:p` and `a/b`; `redis://h:p/0/a/b` (db number optional) ->
     `redis://h:p/0` and `a/b`.
     """
-    parts = urllib.parse.urlsplit(url)
+    parts = _urlsplit(url)
     scheme = parts.scheme.lower()
     segments = [s for s in parts.path.split("/") if s]
     if scheme in ("redis", "rediss"):

@@ -21,6 +21,7 @@ import hmac
 import ipaddress
 import json
 import os
+import re
 import sys
 import threading
 import urllib.parse
@@ -33,7 +34,7 @@ import urllib3
 from aiohttp import web
 
 from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
-from . import AuthKey, EntryInfo, Store, check_key
+from . import AuthKey, EntryInfo, Store, check_key, is_key
 from .file import FileStore, PendingWrite
 
 TOKEN_ENV = "LLAMA_CACHEGEN_TOKEN"
@@ -47,13 +48,22 @@ _READ_PIECE = 1 << 18  # the most a client's read takes at once (it counts its p
 def load_token(token_file: str | Path | None = None) -> str | None:
     """The server's token: the stripped content of `token_file`, else LLAMA_CACHEGEN_TOKEN."""
     if token_file is None:
-        return os.environ.get(TOKEN_ENV, "").strip() or None
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        return _check_token(token) if token else None
     try:
         token = Path(token_file).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidArgumentError(f"cannot read the token file {token_file}: {exc}") from exc
     if not token:
         raise InvalidArgumentError(f"the token file {token_file} is empty")
+    return _check_token(token)
+
+
+def _check_token(token: str) -> str:
+    """A token an HTTP header can carry (visible ASCII): any other cannot be sent, so no client
+    could be let in (and the client failed with a traceback)."""
+    if not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise InvalidArgumentError("a token must be visible ASCII characters (no spaces, no control bytes)")
     return token
 
 
@@ -70,7 +80,9 @@ def is_loopback(host: str) -> bool:
 def bearer_ok(header: str | None, token: str) -> bool:
     """True when an Authorization header carries `token` (constant-time comparison)."""
     scheme, _, given = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    # aiohttp keeps a header's undecodable bytes as surrogates: they compare, never raise
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, token.encode())
 
 
 class _Reader:
@@ -119,7 +131,7 @@ class HttpStore(Store):
         self._base = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
         self._root = "/".join(s for s in parts.path.split("/") if s)  # a key prefix on the server
         token = os.environ.get(TOKEN_ENV, "").strip() if token is None else token
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {"Authorization": f"Bearer {_check_token(token)}"} if token else {}
         # each reading thread's GET in flight (close ends them); an entry lives as long as its
         # thread (a thread-local holds it)
         self._local = threading.local()
@@ -152,6 +164,11 @@ class HttpStore(Store):
             response = self._pool.request(method, url, body=data, headers=headers, preload_content=preload)
         except urllib3.exceptions.HTTPError as exc:
             raise StoreError(f"HTTP {method} {url}: {exc}") from exc
+        head = response.data[:300] if preload else b""
+        if response.status >= 300 and not preload:  # an error's body: read here, or the connection is lost
+            head = response.read(300)
+            response.drain_conn()
+            response.release_conn()
         if response.status == 404:
             raise EntryNotFoundError(f"{key!r} not in {self.url}")
         if response.status in (401, 403):
@@ -161,8 +178,8 @@ class HttpStore(Store):
                 else f"the server needs a token: token= or {TOKEN_ENV}"
             )
             raise StoreError(f"HTTP {method} {url}: {response.status} {response.reason} ({hint})")
-        if response.status >= 400:
-            detail = response.data[:300].decode("utf-8", "replace").strip()
+        if response.status >= 300:  # a redirect is not followed (redirect=False): nothing was stored or read
+            detail = head.decode("utf-8", "replace").strip()
             raise StoreError(f"HTTP {method} {url}: {response.status} {response.reason}: {detail}")
         return response
 
@@ -218,14 +235,16 @@ class HttpStore(Store):
             body = self._request("GET", folder, listing=True).data
         except EntryNotFoundError:
             return []
-        strip = len(self._root) + 1 if self._root else 0
+        root = f"{self._root}/" if self._root else ""
         try:
             entries = [
-                EntryInfo(e["key"][strip:], int(e["size"]), float(e["mtime"])) for e in json.loads(body)
+                EntryInfo(e["key"][len(root) :], int(e["size"]), float(e["mtime"]))
+                for e in json.loads(body)
+                if e["key"].startswith(root)  # a server's keys outside this store are none of its own
             ]
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
             raise StoreError(f"unreadable listing from {self.url}: {exc}") from exc
-        return [e for e in entries if e.key.startswith(prefix)]
+        return [e for e in entries if e.key.startswith(prefix) and is_key(e.key)]
 
     def touch(self, key: str, at: float | None = None) -> None:
         """Nothing to do: the server marks an entry used on every GET."""
@@ -334,9 +353,12 @@ class _Server:
             response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             response.content_length = size
             await response.prepare(request)
-            while chunk := await self._run(f.read, _CHUNK):
-                await response.write(chunk)
-            await response.write_eof()
+            try:
+                while chunk := await self._run(f.read, _CHUNK):
+                    await response.write(chunk)
+                await response.write_eof()
+            except ConnectionResetError:  # the client left: one that gives up a fetch does so
+                pass
             return response
         finally:
             f.close()
@@ -353,11 +375,19 @@ class _Server:
                 if pending.size + len(chunk) > self.max_body:
                     pending.abort()
                     return _closing(413, f"body over {self.max_body} bytes")
-                await self._run(pending.write, chunk)
+                try:
+                    await self._run(pending.write, chunk)
+                except OSError as exc:
+                    pending.abort()
+                    return _closing(507, f"cannot store {key!r}: {exc.strerror or exc}")
             if declared is not None and pending.size != declared:  # the client went away mid-upload
                 pending.abort()
                 return _closing(400, "body shorter than its Content-Length")
-            await self._run(pending.commit)
+            try:
+                await self._run(pending.commit)
+            except OSError as exc:
+                pending.abort()
+                return _closing(507, f"cannot store {key!r}: {exc.strerror or exc}")
         except asyncio.TimeoutError:
             pending.abort()
             return _closing(408, f"no body data for {self.body_timeout:g} s")
