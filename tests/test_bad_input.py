@@ -399,3 +399,50 @@ def test_golden_bad_containers_fail() -> None:
         lcg.decode(blob[:-1] + bytes([blob[-1] ^ 0x10]))
     with pytest.raises(lcg.TruncatedDataError):
         lcg.decode(blob[:-1])
+
+
+def _memory(positions: list[int], seqs: int, k: np.ndarray) -> bytes:
+    """One stream of f16 K rows `k` (and V) at `positions`, each cell in sequences 0..seqs-1."""
+    out = struct.pack("<II", 1, len(positions))
+    for p in positions:
+        out += struct.pack("<iI", p, seqs) + b"".join(struct.pack("<i", s) for s in range(seqs))
+    n_embd = k.shape[1]
+    out += struct.pack("<II", 0, 1)
+    out += struct.pack("<iQ", 1, n_embd * 2) + k.astype(np.float16).tobytes()
+    return out + struct.pack("<iQ", 1, n_embd * 2) + np.zeros_like(k, np.float16).tobytes()
+
+
+def test_rope_positions_come_from_the_layouts_cells() -> None:
+    """A RoPE-coded K tensor takes each row's position from the state that the verbatim bytes
+    describe: a forged verbatim section of 2 cells x 128 channels where the layout says 4 cells x 64
+    (the same bytes) read positions past the 2 parsed ones (a heap read, bytes leaked into the
+    rotation, no error). The same whole-state decode takes only the positions its cells use: a
+    span from INT32_MIN to INT32_MAX took a minute and a GiB for a 1 KB container."""
+    rng = np.random.default_rng(0)
+    head_dim, base = 64, 10000.0
+    half, theta = head_dim // 2, base ** (-2.0 * np.arange(head_dim // 2) / head_dim)
+    c = rng.normal(0, 1, head_dim)
+
+    def rotated(positions: list[int]) -> np.ndarray:
+        k = np.empty((len(positions), head_dim))
+        for r, p in enumerate(positions):
+            k[r, :half] = c[:half] * np.cos(p * theta) - c[half:] * np.sin(p * theta)
+            k[r, half:] = c[:half] * np.sin(p * theta) + c[half:] * np.cos(p * theta)
+        return k
+
+    rope = codec.Rope("halves", head_dim, head_dim, (base,))
+    positions = [100, 101, 102, 103]
+    state = seq_buffer(_memory(positions, 1, rotated(positions)))
+    blob = bytearray(codec.encode(state, "balanced", threads=1, sink_tokens=0, rope=rope))
+    (off, size) = next((o, s) for t, _, o, s in sections(bytes(blob)) if t == 2)  # the verbatim bytes
+    other = seq_buffer(_memory([100, 101], 4, np.zeros((2, 2 * head_dim))))
+    verbatim = other[:84] + other[84 + 512 : 84 + 512 + 12]  # all but the K and V rows
+    assert len(verbatim) == size
+    blob[off : off + size] = verbatim
+    with pytest.raises(lcg.CorruptDataError, match="cell positions"):
+        codec.decode(bytes(reseal(blob)), threads=1)
+
+    far = [-(2**31), 2**31 - 1, 0, 1]
+    state = seq_buffer(_memory(far, 1, rotated(far)))
+    out = codec.decode(codec.encode(state, "balanced", threads=1, sink_tokens=0, rope=rope), threads=1)
+    assert len(out) == len(state)

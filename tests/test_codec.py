@@ -364,3 +364,22 @@ def test_simd_and_scalar_paths_write_the_same_bytes(state_fa_off: bytes, tmp_pat
         ).stdout
         assert scalar == lcg.encode(state_fa_off, level)
         assert lcg.decode(scalar) == lcg.decode(lcg.encode(state_fa_off, level))
+
+
+def test_values_past_f16_in_an_f32_cache_are_never_decoded_to_inf() -> None:
+    """A lossy level stores each channel's mean and step as f16: an f32 cache whose values lie
+    past f16's range (K ~ N(7e4, 7e3)) decoded to inf and NaN at every lossy level, silently. Such
+    a tensor is coded losslessly: it comes back exactly."""
+    from conftest import kv_cache_bytes, seq_buffer
+
+    rng = np.random.default_rng(3)
+    n = 256
+    memory = bytearray(kv_cache_bytes(rng, n_layer=1, n_embd=64, cells_per_stream=(n,), dtype="f32"))
+    k_at = 4 + 4 + n * 12 + 8 + 12  # n_stream, cell_count, cells, v_trans and n_layer, K's type and row size
+    memory[k_at : k_at + n * 64 * 4] = rng.normal(7e4, 7e3, (n, 64)).astype(np.float32).tobytes()
+    state = seq_buffer(bytes(memory))
+    for level in ("high", "balanced", "compact"):
+        out = np.frombuffer(bytes(codec.decode(codec.encode(state, level, threads=1))), np.uint8)
+        k_in = np.frombuffer(state, np.float32, n * 64, 8 + k_at)
+        k_out = out[8 + k_at : 8 + k_at + n * 64 * 4].view(np.float32)
+        assert np.isfinite(k_out).all() and np.array_equal(k_out, k_in), level

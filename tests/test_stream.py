@@ -754,3 +754,30 @@ def test_trace_transfer_times() -> None:
     assert len(rates) == 100 and min(rates) >= 10.0 and max(rates) <= 1000.0 and np.std(np.log(rates)) > 0.5
     with pytest.raises(InvalidArgumentError):
         Trace.steps([(1.0, 0.0)])
+
+
+def test_a_failed_load_into_an_empty_sequence_leaves_it_empty(
+    original: dict[str, Any], tmp_path: Path
+) -> None:
+    """The backup of an empty sequence has no cells, and llama.cpp clears a target only for a state
+    with cells: the text chunks a failed load had computed stayed in sequence 1, uncounted."""
+    url = tmp_path / "seq0"
+    chunks.save_chunked(original["llm"], url, levels=("lossless",), chunk_tokens=C, seq_id=0)
+    target = _llama(n_seq_max=2)
+    memory = llama_cpp.llama_get_memory(target.ctx)
+
+    def fail_after_text(record: stream.ChunkRecord) -> None:
+        if record.level == stream.TEXT:
+            raise RuntimeError("the caller's progress failed")
+
+    with pytest.raises(RuntimeError, match="progress failed"):
+        stream.load_streaming(
+            target,
+            url.as_uri(),
+            seq_id=1,
+            slo_s=60.0,
+            prior_mbps=1e-3,  # a link that looks slow, a CPU that looks instant: text first
+            compute_tps=1e6,
+            progress=fail_after_text,
+        )
+    assert llama_cpp.llama_memory_seq_pos_max(memory, 1) == -1

@@ -446,6 +446,11 @@ size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, siz
         if (dec.stats.rope.pairing && sink.host_state()) {
             std::call_once(parse_once, [&] { parsed = parse_state(sink.host_state(), state_size, c.header.state_kind); });
             cell_pos = &parsed.groups.at(t.cell_group).pos;
+            // the verbatim bytes are the container's to say: a cell count other than the layout's
+            // read positions past the parsed ones (heap bytes leaked into the rotation)
+            LCG_CHECK(cell_pos->size() == t.n_cells, LCG_ERR_CORRUPT,
+                      "tensor %zu: %zu cell positions in the state, %u cells in the layout", i, cell_pos->size(),
+                      t.n_cells);
         }
         ByteReader r = c.section_reader(*rows_sec[i], "tensor section");
         sink.tensor(i, r, t, dec, t, cells, cell_pos);

@@ -363,7 +363,8 @@ void quantize_value(float r, uint32_t raw_bits, uint32_t lane, uint32_t cell, ui
         *raw = 0;  // not read: the escape list holds the whole q
     }
     escapes.push_back({lane, cell, q});
-    shrink.fixed += static_cast<int64_t>(std::nearbyint((static_cast<double>(std::llabs(q)) - a) * 65536.0));
+    // from the clamped value: |q| - a for a far past 1e9 is no int64 (undefined behaviour)
+    shrink.fixed += static_cast<int64_t>(std::nearbyint((static_cast<double>(std::llabs(q)) - clamped) * 65536.0));
     shrink.count++;
 }
 

@@ -41,14 +41,21 @@ RopeTable rope_table(const Rope & r, const int32_t * pos, size_t n_pos) {
     // alone (not on the others in the table): a chunk decodes to the same bytes as the whole.
     constexpr int64_t SPLIT = 64;
     auto hi_of = [](int64_t p) { return p >= 0 ? p / SPLIT : -((-p + SPLIT - 1) / SPLIT); };
-    int64_t first = 0, last = 0;
+    // the hi values the positions use, not their span: a state's positions are its own to name
+    // (a forged pair at INT32_MIN and INT32_MAX took a minute and a GiB for a 1 KB container)
+    std::vector<int64_t> his(n_pos);
     for (size_t k = 0; k < n_pos; k++) {
-        first = k ? std::min<int64_t>(first, hi_of(pos[k])) : hi_of(pos[k]);
-        last = k ? std::max<int64_t>(last, hi_of(pos[k])) : hi_of(pos[k]);
+        his[k] = hi_of(pos[k]);
+    }
+    std::sort(his.begin(), his.end());
+    his.erase(std::unique(his.begin(), his.end()), his.end());
+    std::vector<uint32_t> h_of(n_pos);
+    for (size_t k = 0; k < n_pos; k++) {
+        h_of[k] = static_cast<uint32_t>(std::lower_bound(his.begin(), his.end(), hi_of(pos[k])) - his.begin());
     }
     tab.cos.resize(n_pos * tab.n_pairs);
     tab.sin.resize(n_pos * tab.n_pairs);
-    std::vector<double> c_lo(SPLIT), s_lo(SPLIT), c_hi(last - first + 1), s_hi(last - first + 1);
+    std::vector<double> c_lo(SPLIT), s_lo(SPLIT), c_hi(his.size()), s_hi(his.size());
     for (uint32_t i = 0; i < tab.n_pairs; i++) {
         const double theta = static_cast<double>(r.scale) *
                              std::pow(static_cast<double>(r.base), -2.0 * i / static_cast<double>(r.n_dims));
@@ -56,12 +63,13 @@ RopeTable rope_table(const Rope & r, const int32_t * pos, size_t n_pos) {
             c_lo[k] = std::cos(static_cast<double>(k) * theta);
             s_lo[k] = std::sin(static_cast<double>(k) * theta);
         }
-        for (int64_t hi = first; hi <= last; hi++) {
-            c_hi[hi - first] = std::cos(static_cast<double>(hi * SPLIT) * theta);
-            s_hi[hi - first] = std::sin(static_cast<double>(hi * SPLIT) * theta);
+        for (size_t h = 0; h < his.size(); h++) {
+            c_hi[h] = std::cos(static_cast<double>(his[h] * SPLIT) * theta);
+            s_hi[h] = std::sin(static_cast<double>(his[h] * SPLIT) * theta);
         }
         for (size_t k = 0; k < n_pos; k++) {
-            const int64_t hi = hi_of(pos[k]), lo = pos[k] - hi * SPLIT, h = hi - first;
+            const int64_t lo = pos[k] - hi_of(pos[k]) * SPLIT;
+            const uint32_t h = h_of[k];
             tab.cos[k * tab.n_pairs + i] = static_cast<float>(c_hi[h] * c_lo[lo] - s_hi[h] * s_lo[lo]);
             tab.sin[k * tab.n_pairs + i] = static_cast<float>(s_hi[h] * c_lo[lo] + c_hi[h] * s_lo[lo]);
         }

@@ -650,6 +650,11 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
             s.step_f16[gi] = cq.step_f16;
             mean[g] = f16_to_f32(cq.mean_f16);
             inv_step[g] = 1.0f / f16_to_f32(cq.step_f16);
+            // past f16's range a mean is inf and a step is clamped: an f32 cache of such values
+            // decoded to inf and NaN at every lossy level; coded losslessly instead
+            if (!std::isfinite(mean[g]) || group_step[gi] > 65504.0) {
+                return false;
+            }
         }
         // A decoded value lies within a step of its value (rounding to q moves it by half a step,
         // the shrink by at most half); anchor/delta also stores differences from the anchors, up

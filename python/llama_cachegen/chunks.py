@@ -685,10 +685,12 @@ class _ChunkReader:
 
 
 def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> int:
-    """An upper bound on the state of n_pos positions: four times any f32 K+V layout of two caches
-    per cell, plus the skeleton's own bytes. Refuses a forged skeleton asking for far more."""
+    """An upper bound on the skeleton's whole state (a prefix of n_pos positions is cut from it):
+    four times any f32 K+V layout of two caches per position, plus the skeleton's own bytes.
+    Refuses a forged skeleton asking for far more (a 368-byte one asked for 676 MB)."""
     per_cell = 64 * int(fingerprint.get("n_layer") or 0) * int(fingerprint.get("n_embd") or 0)
-    return len(skeleton) + n_pos * per_cell
+    positions = max(n_pos, int(codec.inspect(skeleton)["positions"][1]))
+    return len(skeleton) + positions * per_cell
 
 
 def _assemble(

@@ -510,10 +510,12 @@ def skeleton_state(
     """The state of the skeleton's first `n_pos` positions with zero K/V, ready for `decode_chunk`,
     in `alloc(size)` (a bytearray by default; the loaders pass `empty_buffer`).
 
-    `max_size` refuses (LimitExceededError) a skeleton whose state would be larger, before
-    allocating it.
+    `max_size` refuses (LimitExceededError) a skeleton whose whole state (what a prefix is cut
+    from) would be larger, before anything is allocated.
     """
     src = _view(skeleton)
+    if max_size is not None and (full := decoded_size(src)) > max_size:
+        raise LimitExceededError(f"the skeleton's state needs {full} bytes (at most {max_size})")
     size = ffi.new("size_t *")
     check(lib.lcg_skeleton_state(src, len(src), n_pos, ffi.NULL, 0, size))
     if max_size is not None and size[0] > max_size:

@@ -1368,6 +1368,9 @@ class _Loader:
         if self.backup is None:
             return
         (saved,) = self.backup
+        # emptied first: llama.cpp clears a target only for a state with cells, and the backup of
+        # an empty sequence has none (the chunks computed into it stayed, after a failed load)
+        forget_kv(self.llm, self.target)
         if saved is None or not restore_state(self.llm, saved, self.target):
             _forget(self.llm, self.target)
 
