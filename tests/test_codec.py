@@ -383,3 +383,15 @@ def test_values_past_f16_in_an_f32_cache_are_never_decoded_to_inf() -> None:
         k_in = np.frombuffer(state, np.float32, n * 64, 8 + k_at)
         k_out = out[8 + k_at : 8 + k_at + n * 64 * 4].view(np.float32)
         assert np.isfinite(k_out).all() and np.array_equal(k_out, k_in), level
+
+
+def test_a_buffer_too_small_for_decode_into_is_the_callers_error() -> None:
+    """It was InternalError ("a bug"): the library sizes its own buffers, not the caller's."""
+    from conftest import kv_cache_bytes, seq_buffer
+
+    state = seq_buffer(kv_cache_bytes(np.random.default_rng(4), cells_per_stream=(40,)))
+    blob = codec.encode(state, "lossless", threads=1)
+    with pytest.raises(lcg.InvalidArgumentError, match="the state needs"):
+        codec.decode_into(blob, bytearray(len(state) - 1))
+    out = bytearray(len(state) + 17)
+    assert codec.decode_into(blob, out) == len(state) and bytes(out[: len(state)]) == state

@@ -314,6 +314,13 @@ def decode(
     return dst
 
 
+def _check_room(src: Any, capacity: int) -> None:
+    """The caller's buffer is the caller's to size: too small is their error, not the library's."""
+    need = decoded_size(src)
+    if capacity < need:
+        raise InvalidArgumentError(f"the buffer holds {capacity} bytes, the state needs {need}")
+
+
 def decode_into(blob: Buffer, dst: Buffer | DeviceBuffer, *, threads: int | None = None) -> int:
     """Decodes into a caller's writable buffer of at least `decoded_size(blob)` bytes; returns the
     bytes written. Reusing one buffer is the fast path: a fresh one costs its page faults (about
@@ -325,6 +332,7 @@ def decode_into(blob: Buffer, dst: Buffer | DeviceBuffer, *, threads: int | None
     device = _device_pointer(dst)
     if device is not None:
         ptr, capacity = device
+        _check_room(src, capacity)
         check(lib.lcg_decode_device(src, len(src), ffi.cast("void *", ptr), capacity, ffi.NULL))
         return decoded_size(src)
     written = ffi.new("size_t *")
@@ -332,6 +340,7 @@ def decode_into(blob: Buffer, dst: Buffer | DeviceBuffer, *, threads: int | None
         out = ffi.from_buffer(dst, require_writable=True)
     except TypeError as exc:
         raise InvalidArgumentError(f"expected a writable buffer, got {type(dst).__name__}") from exc
+    _check_room(src, len(out))
     check(lib.lcg_decode(src, len(src), _threads(threads), out, len(out), written))
     return int(written[0])
 
