@@ -4,6 +4,7 @@ subprocess, all on 127.0.0.1."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import http.server
 import os
 import signal
@@ -461,6 +462,7 @@ def test_listings_hold_only_keys_a_store_can_delete(tmp_path: Path, redis_url: s
 class _Hostile(http.server.BaseHTTPRequestHandler):
     """A server that answers what a store's client must not take: redirects and bad listings."""
 
+    BOMB = gzip.compress(bytes(1 << 20))  # 1 MiB of zeros in about 1 KB
     LISTINGS = {
         "/listing/": b'[{"key": "listing/ok.bin", "size": 1, "mtime": 0},'
         b' {"key": "../../etc/passwd", "size": 1, "mtime": 0},'
@@ -470,6 +472,13 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
 
     def _answer(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/bomb/a.bin":
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(self.BOMB)))
+            self.end_headers()
+            self.wfile.write(self.BOMB)
+            return
         body = self.LISTINGS.get(self.path, b"redirect!")
         self.send_response(200 if self.path in self.LISTINGS else 302)
         self.send_header("Location", "http://127.0.0.1:9/elsewhere")
@@ -508,6 +517,8 @@ def test_a_client_takes_no_redirect_or_foreign_listing_for_an_answer() -> None:
             store.list()
         with pytest.raises(InvalidArgumentError, match="visible ASCII"):
             open_store(base, token="a\nb")
+        with open_store(f"{base}/bomb") as store:  # the bytes sent, not inflated
+            assert store.get("a.bin") == _Hostile.BOMB
     finally:
         server.shutdown()
         server.server_close()

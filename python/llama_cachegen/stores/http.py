@@ -161,7 +161,11 @@ class HttpStore(Store):
         if data is not None:
             headers["Content-Type"] = "application/octet-stream"
         try:
-            response = self._pool.request(method, url, body=data, headers=headers, preload_content=preload)
+            # bodies as sent: the server never compresses, and a reply that says gzip would be
+            # inflated without bound (50 KB became 50 MiB)
+            response = self._pool.request(
+                method, url, body=data, headers=headers, preload_content=preload, decode_content=False
+            )
         except urllib3.exceptions.HTTPError as exc:
             raise StoreError(f"HTTP {method} {url}: {exc}") from exc
         head = response.data[:300] if preload else b""
