@@ -264,6 +264,13 @@ def test_more_token_ids_than_positions_are_refused_on_save_and_load(tmp_path: Pa
     for blob, held, claimed in cases:
         message = f"holds {held} positions but its token list has {claimed} ids"
         _assert_mismatch_leaves_context(target, blob, CorruptDataError, message)
+    # into an empty context: the capture put back has no cells, and llama.cpp clears a target only
+    # for a state with cells (the refused state's cells stayed)
+    empty = smollm(n_seq_max=2)
+    with pytest.raises(CorruptDataError, match="holds 100 positions but its token list has 300 ids"):
+        load_compressed_state(empty, cases[-1][0])
+    memory = llama_cpp.llama_get_memory(empty.ctx)
+    assert [llama_cpp.llama_memory_seq_pos_max(memory, s) for s in (0, 1)] == [-1, -1]
 
 
 def test_an_empty_state_loads_as_empty() -> None:

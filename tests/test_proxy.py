@@ -99,9 +99,10 @@ def test_helpers() -> None:
     assert common_prefix(a, a[:0]) == 0 and common_prefix(a, a) == 4
     sse = b'data: {"x":1}\n\ndata: {"timings":{"prompt_n":12,"predicted_n":5,"prompt_per_second":1e3}}\n\n'
     assert _timings(sse) == {"prompt_n": 12.0, "predicted_n": 5.0, "prompt_per_second": 1000.0}
-    assert json.loads(_no_cache_reuse(b'{"prompt": "x", "n_cache_reuse": 16}'))["n_cache_reuse"] == 0
+    body, raw = _no_cache_reuse(b'{"prompt": "x", "n_cache_reuse": 16}')
+    assert body["n_cache_reuse"] == json.loads(raw)["n_cache_reuse"] == 0
     for other in (b"[1, 2]", b"not json", b'"x"'):
-        assert _no_cache_reuse(other) == other
+        assert _no_cache_reuse(other)[1] == other
 
 
 def test_refuses_public_listen_without_token(tmp_path: Path) -> None:

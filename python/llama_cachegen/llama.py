@@ -173,6 +173,12 @@ _hash_cache: dict[tuple[str, int, int], str] = {}
 _lora_hash_cache: dict[tuple[str, int, int], str] = {}
 
 
+def _file_identity(path: str) -> tuple[str, int, int]:
+    """What the hash caches key a file by: a file written again gets hashed again."""
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns
+
+
 def _model_hash(llm: llama_cpp.Llama) -> str:
     """sha256 of the model's metadata, tensor sizes and 16 evenly spaced 64 KiB blocks of its file.
 
@@ -180,8 +186,8 @@ def _model_hash(llm: llama_cpp.Llama) -> str:
     fine-tunes that share an architecture (their weights differ everywhere).
     """
     path = os.fspath(llm.model_path)
-    st = os.stat(path)
-    cache_key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    cache_key = _file_identity(path)
+    size = cache_key[1]
     if cache_key in _hash_cache:
         return _hash_cache[cache_key]
     h = hashlib.sha256()
@@ -191,13 +197,13 @@ def _model_hash(llm: llama_cpp.Llama) -> str:
             "<QQQ",
             llama_cpp.llama_model_size(llm.model),
             llama_cpp.llama_model_n_params(llm.model),
-            st.st_size,
+            size,
         )
     )
     block = 64 << 10
     with open(path, "rb") as f:
         for i in range(16):
-            f.seek(max(0, st.st_size - block) * i // 15)
+            f.seek(max(0, size - block) * i // 15)
             h.update(f.read(block))
     _hash_cache[cache_key] = digest = h.hexdigest()
     return digest
@@ -258,8 +264,7 @@ def _lora(llm: llama_cpp.Llama) -> str | None:
     path = getattr(llm, "lora_path", None)
     if not path:
         return None
-    st = os.stat(path)
-    cache_key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    cache_key = _file_identity(path)
     if cache_key not in _lora_hash_cache:  # adapters are small: all of the file
         h = hashlib.sha256()
         with open(path, "rb") as f:
@@ -629,13 +634,23 @@ def record_load(
         records[target or 0] = LossyLoad(np.array(tokens, dtype=np.intc), *lossy)
 
 
+def put_back(llm: llama_cpp.Llama, backup: np.ndarray | None, target: int | None) -> bool:
+    """Restores `backup` (the target's capture; None: it held nothing) into the target, emptied
+    first: llama.cpp clears a target only for a state with cells, and the capture of an empty
+    sequence has none. If llama.cpp refuses even that, empties the target (False)."""
+    forget_kv(llm, target)
+    if backup is not None and restore_state(llm, backup, target):
+        return True
+    _forget(llm, target)
+    return False
+
+
 def _put_back(
     llm: llama_cpp.Llama, backup: np.ndarray, target: int | None, error: type[CacheGenError], message: str
 ) -> NoReturn:
-    """Restores `backup` (if llama.cpp refuses even that, empties the target) and raises `error`."""
-    if restore_state(llm, backup, target):
+    """put_back, then raises `error`."""
+    if put_back(llm, backup, target):
         raise error(f"{message}; the context was put back as it was")
-    _forget(llm, target)
     raise error(f"{message}; the context could not be put back and was cleared")
 
 

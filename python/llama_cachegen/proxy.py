@@ -610,7 +610,7 @@ class Proxy:
         if request.method == "POST" and request.path in COMPLETION_PATHS | CHAT_PATHS:
             return await self._completion(request, chat=request.path in CHAT_PATHS)
         if request.method == "POST" and request.path == "/infill":
-            return await self._forward(request, _no_cache_reuse(await request.read()))
+            return await self._forward(request, _no_cache_reuse(await request.read())[1])
         return await self._forward(request, await request.read())
 
     async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
@@ -695,11 +695,7 @@ class Proxy:
         return slot
 
     async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        raw = _no_cache_reuse(await request.read())
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return await self._forward(request, raw)
+        body, raw = _no_cache_reuse(await request.read())
         tokens = None
         # cache_prompt false: the client wants the prompt computed from scratch (a cold prefill's
         # exact numbers); nothing is restored for it (nor for a value the server refuses)
@@ -896,19 +892,20 @@ class Proxy:
 _TIMING = re.compile(rb'"(prompt_n|predicted_n|prompt_per_second)"\s*:\s*([0-9.eE+-]+)')
 
 
-def _no_cache_reuse(raw: bytes) -> bytes:
-    """A JSON request body with `n_cache_reuse` 0 (else as it is). llama-server's cache reuse (the
-    request's field, or its --cache-reuse) moves K/V of another prompt to new positions: K/V that
-    saw other tokens, which a slot save would hand this proxy as its tokens' exact K/V. Every
-    completion the proxy passes sets it, so that no slot it uploads from holds such K/V."""
+def _no_cache_reuse(raw: bytes) -> tuple[Any, bytes]:
+    """A request body parsed (None when it is no JSON) and its bytes, `n_cache_reuse` 0 in a JSON
+    object. llama-server's cache reuse (the request's field, or its --cache-reuse) moves K/V of
+    another prompt to new positions: K/V that saw other tokens, which a slot save would hand this
+    proxy as its tokens' exact K/V. Every completion the proxy passes sets it, so that no slot it
+    uploads from holds such K/V."""
     try:
         body = json.loads(raw)
     except ValueError:
-        return raw
-    if not isinstance(body, dict):
-        return raw
-    body["n_cache_reuse"] = 0
-    return json.dumps(body).encode()
+        return None, raw
+    if isinstance(body, dict):
+        body["n_cache_reuse"] = 0
+        raw = json.dumps(body).encode()
+    return body, raw
 
 
 def _timings(tail: bytes) -> dict[str, float]:

@@ -96,7 +96,6 @@ from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, Model
 from .llama import (
     LoadReport,
     StateMeta,
-    _forget,
     _seq_id_ok,
     _state_array,
     check_fingerprint,
@@ -105,6 +104,7 @@ from .llama import (
     has_recurrent_state,
     load_compressed_state,
     model_fingerprint,
+    put_back,
     require_kv_cache,
     restore_context,
     restore_state,
@@ -1368,11 +1368,7 @@ class _Loader:
         if self.backup is None:
             return
         (saved,) = self.backup
-        # emptied first: llama.cpp clears a target only for a state with cells, and the backup of
-        # an empty sequence has none (the chunks computed into it stayed, after a failed load)
-        forget_kv(self.llm, self.target)
-        if saved is None or not restore_state(self.llm, saved, self.target):
-            _forget(self.llm, self.target)
+        put_back(self.llm, saved, self.target)  # emptied first: the text chunks computed go too
 
     def assemble(self) -> bool:
         """Fills the buffer (True), or the context itself when every chunk was computed before
