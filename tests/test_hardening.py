@@ -255,6 +255,52 @@ def test_a_context_of_several_streams_is_saved_whole(model_path: Path, tmp_path:
     assert np.array_equal(_next_logits(llm, 1, 70), reference["y"])
 
 
+def test_non_causal_attention_is_in_the_fingerprint_and_never_chunked(tmp_path: Path) -> None:
+    """With non-causal attention a token's K/V saw the tokens after it. Its chunks had a causal
+    context's keys: load_prefix gave a causal context that K/V as exact (next-token KL 0.95)."""
+    tokens = smollm().tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)[:140]
+    non_causal = smollm(attention_type=llama_cpp.LLAMA_ATTENTION_TYPE_NON_CAUSAL)
+    causal = smollm()
+    for llm in (non_causal, causal):
+        llm.eval(tokens)
+    assert capture_state(non_causal, None) != capture_state(causal, None)
+    assert model_fingerprint(non_causal)["attention"] == "non-causal"
+    assert model_fingerprint(causal)["attention"] is None
+    url = f"file://{tmp_path}/ctx"
+    report = chunks.save_chunked(non_causal, url, levels=("lossless",), chunk_tokens=C)
+    assert report.chunk_tokens is None and "non-causal" in report.fallback  # saved whole
+    assert chunks.load_prefix(smollm(), f"file://{tmp_path}", tokens, chunk_tokens=C).tokens == 0
+    with pytest.raises(ModelMismatchError, match="attention"):
+        chunks.load_chunked(smollm(), url)
+    # a causal context's keys are those stores held before the field existed
+    base = model_fingerprint(causal)
+    before = {k: v for k, v in base.items() if k != "attention"}
+    assert root_key(before, C) == root_key(base, C) and fingerprint_key(before) == fingerprint_key(base)
+
+
+def test_a_sequence_must_fit_its_own_kv_stream(model_path: Path, tmp_path: Path) -> None:
+    """kv_unified off: a sequence's cells go into its own stream of n_ctx / n_seq_max cells. The
+    checks compared with the whole n_ctx, so a load that could not fit got as far as llama.cpp's
+    refusal (a streaming load after seconds of computing text) and a message naming n_ctx."""
+    tokens = smollm().tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)[:300]
+    source = multi_seq_llama(model_path, 2, False, n_ctx=1024, logits_all=False)
+    stream._decode_tokens(source.ctx, np.asarray(tokens), 0, 1, 64)
+    url = f"file://{tmp_path}/ctx"
+    chunks.save_chunked(source, url, seq_id=1, tokens=tokens, levels=("lossless",), chunk_tokens=C)
+    blob = save_compressed_state(source, level="lossless", seq_id=1, tokens=tokens)
+    target = multi_seq_llama(model_path, 2, False, n_ctx=512, logits_all=False)  # 256 per stream
+    assert llama_cpp.llama_n_ctx_seq(target.ctx) == 256
+    for load in (
+        lambda: load_compressed_state(target, blob, seq_id=1),
+        lambda: chunks.load_chunked(target, url, seq_id=1),
+        lambda: stream.load_streaming(target, url, seq_id=1, slo_s=30.0, compute_tps=1e6),
+    ):
+        with pytest.raises(ModelMismatchError, match="256 per sequence"):
+            load()
+    roomy = multi_seq_llama(model_path, 2, False, n_ctx=1024, logits_all=False)
+    assert chunks.load_chunked(roomy, url, seq_id=1).cells == 300
+
+
 def test_arguments_of_another_type_are_refused(tmp_path: Path) -> None:
     llm = smollm()
     llm.eval(llm.tokenize(PROMPT.encode(), add_bos=True))

@@ -618,3 +618,55 @@ def test_no_kv_moved_from_another_prompt_goes_into_a_slot(nodes: tuple[Node, Nod
     _complete(a.proxy, first + second)
     out, _ = _complete(a.proxy, second, n_cache_reuse=16)
     assert out["timings"]["prompt_n"] == len(second)
+
+
+def test_kv_moved_on_other_routes_is_not_uploaded(cluster: Cluster, tmp_path: Path) -> None:
+    """llama-server generates on more routes than completions, and /v1/messages takes no
+    n_cache_reuse: a server's --cache-reuse moved K/V there, which the next completion's slot save
+    uploaded as its tokens' exact K/V (another server then answered from it). A slot that a request
+    passed through may have used is not uploaded from until a restore replaced what it held."""
+    server, slot_dir = cluster.server("reuse", None, "-np", "1", "--cache-reuse", "16")
+    proxy = cluster.proxy_of(server, slot_dir, f"file://{tmp_path}/store")
+    text = sample_text("gfdl-1.3.txt")
+    cut = text.index("\n", 440) + 1
+    first, second = text[:cut], text[cut:1750]
+    both = _post(server + "/apply-template", {"messages": [{"role": "user", "content": first + second}]})[0]
+    _complete(proxy, both["prompt"], n_predict=1)
+    stored = _wait_uploads(proxy, 1)["objects_written"]
+    message = {"model": "m", "max_tokens": 1, "temperature": 0.0}
+    message["messages"] = [{"role": "user", "content": second}]
+    reply, _ = _post(proxy + "/v1/messages", message)
+    assert reply["usage"]["cache_read_input_tokens"] > 100  # the server moved the second part's K/V
+    _post(server + "/slots/0?action=save", {"filename": "held.bin"})
+    held = [int(t) for t in read_slot_file((slot_dir / "held.bin").read_bytes())[0]]
+    more = _tokenize(server, sample_text("gpl-3.0.txt")[:700], add_special=False)
+    out, _ = _complete(proxy, held + more, n_predict=1)
+    assert out["timings"]["prompt_n"] < len(held) + len(more)  # the server kept what it moved
+    deadline = time.monotonic() + 60
+    while _stats(proxy)["uploads_unseen"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stats = _stats(proxy)
+    assert stats["uploads_unseen"] == 1 and stats["objects_written"] == stored and stats["saves"] == 1
+    # a restore replaces what the slot held: uploads again
+    out, headers = _complete(proxy, both["prompt"] + sample_text("gpl-3.0.txt")[:700], n_predict=1)
+    assert int(headers[RESTORED_HEADER]) > 0
+    assert _wait_uploads(proxy, 2)["objects_written"] > stored
+
+
+def test_a_proxy_starts_while_a_slot_generates(cluster: Cluster, tmp_path: Path) -> None:
+    """The proxy's start-up save (which tells the KV stream count) goes to an idle slot: llama-server
+    saves a busy slot only when its task ends, and the proxy listened only after that. Slot 0
+    generates for as long as the client stays (context shift: no end of its own)."""
+    server, slot_dir = cluster.server("busy", None, "-np", "2", "--context-shift")
+    host, port = server.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "Once", "n_predict": -1, "ignore_eos": True, "id_slot": 0, "stream": True})
+    with socket.create_connection((host, int(port)), timeout=60) as client:
+        client.sendall(
+            f"POST /completion HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        client.recv(1)  # the first streamed bytes: slot 0 is generating
+        proxy = cluster.proxy_of(server, slot_dir, f"file://{tmp_path}/store")
+        slots = json.loads(http_status(server + "/slots")[1])
+        assert slots[0]["is_processing"] and not slots[1]["is_processing"]
+        assert http_status(proxy + "/health")[0] == 200

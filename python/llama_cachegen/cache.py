@@ -301,8 +301,10 @@ class CompressedStateCache(BaseLlamaCache):
             if not self._holds_worse(value):
                 self._put_snapshot(value, fingerprint)
             return
-        if n < self.chunk_tokens or self._holds_worse(value):
-            return  # no complete chunk, or K/V that would pass for better than it is
+        if n < self.chunk_tokens or self._holds_worse(value) or fingerprint.get("attention") is not None:
+            # no complete chunk, K/V that would pass for better than it is, or a prefix's K/V that
+            # saw the tokens after it (non-causal attention)
+            return
         state = bytes(value.llama_state[: value.llama_state_size])
         info = codec.inspect_state(state, "full_buffer")
         if not info["chunkable"] or info["positions"] != (0, n):

@@ -61,6 +61,8 @@ from .llama import (
     lossy_level,
     model_fingerprint,
     restore_context,
+    room_message,
+    seq_room,
 )
 
 FORMAT_VERSION = codec.version()[1]
@@ -422,6 +424,8 @@ def save_chunked(
     better = [lv for lv in levels if lossy is not None and better_level(lv, lossy)]
     if not info["chunkable"]:
         fallback = "the state is not one sequence at positions 0..n-1 (several sequences, SWA or empty)"
+    elif meta.fingerprint.get("attention") is not None:
+        fallback = f"{meta.fingerprint['attention']} attention: a prefix's K/V saw the tokens after it"
     elif info["positions"] != (0, n):
         fallback = f"{n} token ids for a state of positions {info['positions']}: pass tokens="
     elif better:
@@ -785,9 +789,8 @@ def _target(scope: str, seq_id: int | None) -> int | None:
 
 
 def _check_room(llm: llama_cpp.Llama, n_tokens: int) -> None:
-    n_ctx = min(llm.n_ctx(), len(llm.input_ids))
-    if n_tokens > n_ctx:
-        raise ModelMismatchError(f"context too small: the state holds {n_tokens} tokens, n_ctx is {n_ctx}")
+    if n_tokens > seq_room(llm):
+        raise ModelMismatchError(f"context too small: the state holds {n_tokens} tokens, {room_message(llm)}")
 
 
 def load_chunked(

@@ -54,7 +54,8 @@ _FLASH_ATTN_NAMES = {
 # the model, the KV layout llama.cpp writes (flash attention stores V untransposed, K/V types, one
 # KV stream per sequence unless unified, the SWA cache's size), the RoPE the keys were rotated by
 # (a context's overrides), the model's metadata overrides, a LoRA adapter (it changes the K/V
-# projections: its keys are other keys) and the state format itself.
+# projections: its keys are other keys), non-causal attention (a token's K/V saw the tokens after
+# it) and the state format itself.
 FINGERPRINT_FIELDS = (
     "arch",
     "n_layer",
@@ -70,12 +71,13 @@ FINGERPRINT_FIELDS = (
     "rope",
     "overrides",
     "lora",
+    "attention",
     "model_hash",
     "state_format",
 )
 # ... left out of the canonical form (keys, namespaces) when None, so that the keys of contexts
 # without them are those stores held before the field existed
-_OPTIONAL_FIELDS = frozenset({"rope", "overrides", "lora"})
+_OPTIONAL_FIELDS = frozenset({"rope", "overrides", "lora", "attention"})
 # llama-cpp-python's Llama defaults for a context's RoPE (0 and -1: the model's own values)
 _ROPE_DEFAULTS: dict[str, float] = {
     "rope_scaling_type": -1,
@@ -303,6 +305,10 @@ def model_fingerprint(llm: llama_cpp.Llama) -> dict[str, Any]:
         "rope": _rope_overrides(params),
         "overrides": _kv_overrides(llm),
         "lora": _lora(llm),
+        # a non-causal context's K/V of a token saw the tokens after it: not a causal one's
+        "attention": (
+            "non-causal" if params.attention_type == llama_cpp.LLAMA_ATTENTION_TYPE_NON_CAUSAL else None
+        ),
         "model_hash": _model_hash(llm),
         # the state layout changes with llama.cpp; llama-cpp-python pins one llama.cpp per release
         "state_format": (
@@ -387,6 +393,20 @@ def _seq_id_ok(llm: llama_cpp.Llama, seq_id: int | None) -> None:
         raise InvalidArgumentError(f"seq_id must be an int or None, got {type(seq_id).__name__} {seq_id!r}")
     if seq_id is not None and not 0 <= seq_id < n_seq_max:
         raise InvalidArgumentError(f"seq_id {seq_id} out of range: this context has n_seq_max {n_seq_max}")
+
+
+def seq_room(llm: llama_cpp.Llama) -> int:
+    """Positions one sequence can hold: n_ctx, or its share of it where each sequence has a KV
+    stream of its own (kv_unified off), and at most llama-cpp-python's token list."""
+    return min(llama_cpp.llama_n_ctx_seq(llm.ctx), len(llm.input_ids))
+
+
+def room_message(llm: llama_cpp.Llama) -> str:
+    """What `seq_room` is made of, for an error."""
+    n_ctx, n_stream = llm.n_ctx(), llama_cpp.llama_n_seq_max(llm.ctx)
+    if llm.context_params.kv_unified or n_stream == 1:
+        return f"this context has n_ctx {seq_room(llm)}"
+    return f"this context holds {seq_room(llm)} per sequence (n_ctx {n_ctx} over {n_stream} KV streams)"
 
 
 def _positions(llm: llama_cpp.Llama, seq_id: int | None) -> int:
@@ -508,14 +528,16 @@ def load_compressed_state(
     else:
         target = 0 if seq_id is None else seq_id
     _seq_id_ok(llm, target)
-    n_ctx = min(llm.n_ctx(), len(llm.input_ids))
     # cells are counted over every cache: an interleaved sliding-window model keeps two, each up to
-    # n_ctx (llama.cpp refuses what does not fit all the same, and the context is put back)
+    # n_ctx (llama.cpp refuses what does not fit all the same, and the context is put back); one
+    # sequence's cells go into its own KV stream, a whole context's over all of them
     cells_per_cache = -(-info["cells"] // max(1, info["caches"]))
-    if max(cells_per_cache, meta.tokens.size) > n_ctx:
+    room, n_ctx = seq_room(llm), min(llm.n_ctx(), len(llm.input_ids))
+    seq_cells = 0 if target is None else cells_per_cache
+    if max(meta.tokens.size, seq_cells) > room or cells_per_cache > n_ctx:
         raise ModelMismatchError(
             f"context too small: the state holds {info['cells']} KV cells and {meta.tokens.size} tokens "
-            f"(saved with n_ctx {meta.n_ctx}), this context has n_ctx {n_ctx}"
+            f"(saved with n_ctx {meta.n_ctx}), {room_message(llm)}"
         )
     # the container knows the positions of a chunkable state (0..n-1) and of an empty one (none);
     # others (several sequences, a sliding-window cache) are checked by restore_context
@@ -611,8 +633,10 @@ def restore_context(
             backup,
             target,
             ModelMismatchError,
-            "llama.cpp refused the state (see its log: KV layout, V transposition/flash attention, "
-            "or no room for the cells)",
+            "llama.cpp refused the state (its log, shown with verbose=True, says why: the KV layout, V "
+            f"transposition/flash attention, a sequence id beyond this context's n_seq_max "
+            f"{llama_cpp.llama_n_seq_max(llm.ctx)}, or no room for the cells: {room_message(llm)}, "
+            "and a sliding-window cache holds its window and one n_ubatch)",
         )
     n_pos = _positions(llm, target)
     if tokens.size > n_pos:

@@ -70,6 +70,20 @@ _PACKED_MARKER, _PACKED_VERSION = -1, 1
 
 COMPLETION_PATHS = frozenset({"/completion", "/completions", "/v1/completions"})
 CHAT_PATHS = frozenset({"/chat/completions", "/v1/chat/completions"})
+# POSTs that touch no slot; any other that passes through may put K/V in a slot that the proxy did
+# not see computed (/v1/messages ignores n_cache_reuse: a server's --cache-reuse moves K/V there)
+_SLOTLESS_POSTS = frozenset(
+    {
+        "/tokenize",
+        "/detokenize",
+        "/apply-template",
+        "/chat/completions/input_tokens",
+        "/v1/chat/completions/input_tokens",
+        "/responses/input_tokens",
+        "/v1/responses/input_tokens",
+        "/v1/messages/count_tokens",
+    }
+)
 STATS_PATH = "/llama-cachegen/stats"
 RESTORED_HEADER = "X-Llama-Cachegen-Restored"  # prompt tokens restored from the store
 _HOP_BY_HOP = frozenset(
@@ -202,6 +216,7 @@ def server_fingerprint(
             "rope": None,
             "overrides": None,
             "lora": None,
+            "attention": None,  # a server's completions are causal
             "model_hash": _model_hash(holder),  # type: ignore[arg-type]
             "state_format": f"llama-server {props.get('build_info', '?')}, seq file v{GGSQ_VERSION}",
         }
@@ -439,6 +454,9 @@ class _Slot:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intc))  # known held prefix
     used: float = 0.0
     lossy: LossyLoad | None = None  # its last restore, when it put lossy K/V in it
+    # a request passed through may have left K/V in it that the proxy did not see computed: it is
+    # not uploaded from until a restore replaced what it held or the server computed a whole prompt
+    unseen: bool = False
 
 
 @dataclass
@@ -455,6 +473,7 @@ class ProxyStats:
     uploads: int = 0
     upload_errors: int = 0
     uploads_dropped: int = 0
+    uploads_unseen: int = 0  # not uploaded: the slot may hold K/V a request passed through left
     bytes_written: int = 0
     objects_written: int = 0
     store_errors: int = 0
@@ -528,7 +547,10 @@ class Proxy:
                 f"cannot read the server's model {model!r} here: give --model (the proxy runs beside it)"
             )
         self.slots = [_Slot(i) for i in range(n_slots)]
-        probe = await self._save_slot(0)  # the KV stream count, and the slot dir checked
+        # the KV stream count, and the slot dir checked, from an idle slot: the server saves a busy
+        # one when its task ends, and the proxy listens only once this is done
+        idle = [e.get("id") for e in await self._slot_entries() if e.get("is_processing") is False]
+        probe = await self._save_slot(idle[0] if idle and type(idle[0]) is int else 0)
         _, offset = read_slot_file(probe)
         (n_stream,) = struct.unpack_from("<I", probe, offset)
         loop = asyncio.get_running_loop()
@@ -609,8 +631,15 @@ class Proxy:
             return web.json_response(self.stats.__dict__)
         if request.method == "POST" and request.path in COMPLETION_PATHS | CHAT_PATHS:
             return await self._completion(request, chat=request.path in CHAT_PATHS)
-        if request.method == "POST" and request.path == "/infill":
-            return await self._forward(request, _no_cache_reuse(await request.read())[1])
+        if request.method == "POST" and request.path not in _SLOTLESS_POSTS:
+            # /infill, /v1/messages, /v1/responses, ... generate too, in a slot the server picks
+            for slot in self.slots:
+                slot.unseen = True
+            try:
+                return await self._forward(request, _no_cache_reuse(await request.read())[1])
+            finally:  # and whatever slot it took, it took while it ran
+                for slot in self.slots:
+                    slot.unseen = True
         return await self._forward(request, await request.read())
 
     async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
@@ -709,7 +738,7 @@ class Proxy:
         self.stats.completions += 1
         slot = await self._acquire(tokens, body.get("id_slot"))
         tail = b""
-        covered = 0
+        restored = covered = 0
         try:
             restored, covered = await self._restore_prefix(slot, tokens)
             body["id_slot"] = slot.id
@@ -718,7 +747,7 @@ class Proxy:
             response, tail = await self._forward_tail(request, data, {RESTORED_HEADER: str(restored)})
             return response
         finally:
-            self._spawn(self._after(slot, tokens, covered, tail))
+            self._spawn(self._after(slot, tokens, covered, tail, restored > 0))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -741,7 +770,7 @@ class Proxy:
         sharing = self.sharing
         if sharing is None or not self._store_ok():
             return 0, 0
-        held = common_prefix(slot.tokens, tokens)
+        held = 0 if slot.unseen else common_prefix(slot.tokens, tokens)  # unseen: the store's K/V first
         if held and await self._slot_forgotten(slot.id):
             log.info("slot %d: the server holds nothing there any more (restarted): restoring", slot.id)
             slot.tokens, slot.lossy = slot.tokens[:0], None
@@ -800,17 +829,22 @@ class Proxy:
         )
         return loaded.positions, loaded.chunks
 
-    async def _slot_forgotten(self, slot_id: int) -> bool:
-        """Whether llama-server says the slot has run no task since it started (GET /slots lists a
-        slot's id_task from its first task on): the server restarted and what the proxy recorded
-        the slot holding is gone. False where /slots does not say (--no-slots, no answer in
-        _SLOTS_WAIT_S): the record is trusted, at worst the server computes what it lost."""
+    async def _slot_entries(self) -> list[dict[str, Any]]:
+        """GET /slots: one entry per slot; none where the server does not say (--no-slots, no
+        answer in _SLOTS_WAIT_S)."""
         try:
             slots = await asyncio.wait_for(self._call("GET", "/slots"), _SLOTS_WAIT_S)
         except (CacheGenError, asyncio.TimeoutError):
-            return False
-        for entry in slots if isinstance(slots, list) else ():
-            if isinstance(entry, dict) and entry.get("id") == slot_id:
+            return []
+        return [entry for entry in slots if isinstance(entry, dict)] if isinstance(slots, list) else []
+
+    async def _slot_forgotten(self, slot_id: int) -> bool:
+        """Whether llama-server says the slot has run no task since it started (GET /slots lists a
+        slot's id_task from its first task on): the server restarted and what the proxy recorded
+        the slot holding is gone. False where /slots does not say: the record is trusted, at worst
+        the server computes what it lost."""
+        for entry in await self._slot_entries():
+            if entry.get("id") == slot_id:
                 return "id_task" not in entry
         return False
 
@@ -829,13 +863,22 @@ class Proxy:
             with contextlib.suppress(OSError):
                 path.unlink()
 
-    async def _after(self, slot: _Slot, tokens: np.ndarray, covered: int, tail: bytes) -> None:
+    async def _after(
+        self, slot: _Slot, tokens: np.ndarray, covered: int, tail: bytes, replaced: bool
+    ) -> None:
         """After a response: remember what the slot holds; save and upload it unless the store
-        already has every full chunk of it. Holds the slot until the save is done."""
+        already has every full chunk of it (or it may hold K/V the proxy did not see computed).
+        `replaced`: a restore replaced what the slot held. Holds the slot until the save is done."""
         data, lossy = None, None
         try:
             slot.tokens = tokens
             timings = _timings(tail)
+            if replaced or timings.get("prompt_n") == tokens.size:  # all of it restored or computed
+                slot.unseen = False
+            if slot.unseen:
+                self.stats.uploads_unseen += 1
+                log.info("slot %d: may hold K/V a request passed through left (not uploaded)", slot.id)
+                return
             if self.sharing is not None and timings.get("prompt_per_second"):
                 self.sharing.learn_compute(float(timings["prompt_per_second"]))
             total = int(tokens.size) + int(timings.get("predicted_n") or 0)
@@ -896,8 +939,9 @@ def _no_cache_reuse(raw: bytes) -> tuple[Any, bytes]:
     """A request body parsed (None when it is no JSON) and its bytes, `n_cache_reuse` 0 in a JSON
     object. llama-server's cache reuse (the request's field, or its --cache-reuse) moves K/V of
     another prompt to new positions: K/V that saw other tokens, which a slot save would hand this
-    proxy as its tokens' exact K/V. Every completion the proxy passes sets it, so that no slot it
-    uploads from holds such K/V."""
+    proxy as its tokens' exact K/V. Every POST the proxy passes sets it (llama-server generates on
+    more routes than completions: /infill, /v1/messages, /v1/responses), so that no slot it uploads
+    from holds such K/V."""
     try:
         body = json.loads(raw)
     except ValueError:
