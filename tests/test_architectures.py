@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cachegen as lcg
+import llama_cpp
 import numpy as np
 import pytest
 from llama_cachegen import chunks, codec, stream
@@ -155,3 +156,27 @@ def test_a_level_follows_its_error_scale_and_weights_on_every_width(source: lcg.
     assert sizes[0] > sizes[1] > sizes[2]
     weighted = lcg.decode(lcg.encode(state, "compact", error_weights=[4.0] * n))
     assert weighted == lcg.decode(lcg.encode(state, "compact", error_scale=scale * 4.0))
+
+
+@pytest.mark.parametrize("name", [name for name, arch in ARCHITECTURES.items() if arch.slides])
+def test_a_shorter_prefix_after_a_load_is_computed_again_where_the_window_lost_it(
+    tmp_path: Path, name: str
+) -> None:
+    """llama.cpp restores a sliding-window cache's last window only (swa_full off). A completion
+    after a load (a prompt-cache hit) that kept a shorter prefix (generate's prefix reuse) attended
+    to positions that were not there: on Gemma 3, "to to to to". It is computed again instead."""
+    path = ARCHITECTURES[name].write(tmp_path / f"{name}.gguf")
+
+    def windowed() -> lcg.Llama:
+        return lcg.Llama(str(path), n_ctx=1024, n_ubatch=64, logits_all=True, swa_full=False, verbose=False)
+
+    source = windowed()
+    source.eval(TOKENS)
+    loaded = windowed()
+    load_compressed_state(loaded, save_compressed_state(source, level="lossless"))
+    assert loaded.n_tokens == N
+    kept = 20  # positions 0..19 stay: the new tokens attend to them, and the window lost them
+    assert llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(loaded.ctx), 0) > kept
+    computed = windowed()
+    computed.eval(TOKENS[:kept])
+    assert np.array_equal(continuation(loaded, kept), continuation(computed, kept))

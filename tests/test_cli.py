@@ -214,6 +214,9 @@ def test_eval_reports_quality_per_level_and_llama_cpp_types() -> None:
     assert promise["reference_broken"] is False  # q5_1 works on SmolLM2 (on Qwen2.5 it does not)
     proc = _cli("eval", "--cache-types", "q5", check=False)  # a name llama.cpp has no type for
     assert proc.returncode == 2 and "invalid choice: 'q5'" in proc.stderr
+    # more tokens than the text can hold: said before a context that size is allocated (GBs)
+    proc = _cli("eval", "--tokens", "100000000", check=False)
+    assert proc.returncode == 1 and "bytes, fewer than --tokens + --cont" in proc.stderr
 
 
 def test_in_place_overwrite_needs_force_and_is_atomic(slot_file: Path, tmp_path: Path) -> None:
@@ -239,6 +242,7 @@ def test_in_place_overwrite_needs_force_and_is_atomic(slot_file: Path, tmp_path:
         ("compress", "a", "b", "--threads", "0"),
         ("demo", "--tokens", "many"),
         ("eval", "--cont", "-1"),
+        ("eval", "--cont", "1"),  # no token to score: a traceback in the perplexity
         ("serve", "--dir", ".", "--port", "70000"),
         ("serve", "--dir", ".", "--body-timeout", "nan"),
     ],

@@ -448,11 +448,14 @@ def _eval(args: argparse.Namespace) -> int:
     from .quality import compare_logits, continuation_logits, make_llama, state_of
 
     model = _model(args.model)
+    text = _text(args.text).encode()
+    if args.tokens + args.cont > len(text) + 1:  # a token spans a byte at least (BOS aside)
+        raise CacheGenError(f"{args.text} has {len(text)} bytes, fewer than --tokens + --cont tokens need")
     n_ctx = args.tokens + args.cont + 64
     _progress(f"loading {model}")
     llm = _open_model(make_llama, model, n_ctx=n_ctx, n_threads=args.threads)
     require_kv_cache(llm)
-    all_tokens = llm.tokenize(_text(args.text).encode())
+    all_tokens = llm.tokenize(text)
     if len(all_tokens) < args.tokens + args.cont:
         raise CacheGenError(f"{args.text} has {len(all_tokens)} tokens, fewer than --tokens + --cont")
     prefix, cont = all_tokens[: args.tokens], all_tokens[args.tokens : args.tokens + args.cont]
@@ -792,7 +795,12 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="quality and size per level, vs llama.cpp's quantized cache types")
     _llama_args(p, 1024)
-    p.add_argument("--cont", type=_COUNT, default=256, help="teacher-forced continuation tokens")
+    p.add_argument(
+        "--cont",
+        type=_number(int, 2, "an integer of at least 2"),
+        default=256,
+        help="teacher-forced continuation tokens (default: %(default)s)",
+    )
     p.add_argument("--levels", nargs="+", choices=levels, default=levels)
     p.add_argument(
         "--cache-types",

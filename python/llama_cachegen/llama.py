@@ -808,6 +808,21 @@ class Llama(llama_cpp.Llama):
             return load_chunked(self, src, level=level, seq_id=seq_id)
         return load_compressed_state(self, src, seq_id=seq_id)
 
+    def eval(self, tokens: Sequence[int]) -> None:
+        """llama-cpp-python's eval, on top of the first n_tokens positions; where a sliding window
+        no longer holds the positions the new tokens attend to, from the first token again.
+        llama.cpp restores a sliding-window cache's last window only: a completion after a load (or
+        a prompt-cache hit) that kept a shorter prefix (generate's prefix reuse) attended to
+        positions that were not there and answered garbage."""
+        n_swa = llama_cpp.llama_model_n_swa(self.model)
+        if self.n_tokens > 0 and n_swa > 0:
+            memory = llama_cpp.llama_get_memory(self.ctx)
+            if llama_cpp.llama_memory_seq_pos_min(memory, 0) > max(0, self.n_tokens - n_swa):
+                tokens = [*self.input_ids[: self.n_tokens].tolist(), *tokens]
+                llama_cpp.llama_memory_seq_rm(memory, 0, -1, -1)
+                self.n_tokens = 0
+        super().eval(tokens)
+
     def load_state(self, state: llama_cpp.llama.LlamaState) -> None:
         """llama-cpp-python's load_state; when llama.cpp refuses the state, the context is cleared
         and n_tokens set to 0 (llama-cpp-python has already overwritten its token list), and a
