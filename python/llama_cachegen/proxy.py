@@ -873,14 +873,14 @@ class Proxy:
         try:
             slot.tokens = tokens
             timings = _timings(tail)
+            if self.sharing is not None and timings.get("prompt_per_second"):
+                self.sharing.learn_compute(float(timings["prompt_per_second"]))
             if replaced or timings.get("prompt_n") == tokens.size:  # all of it restored or computed
                 slot.unseen = False
             if slot.unseen:
                 self.stats.uploads_unseen += 1
                 log.info("slot %d: may hold K/V a request passed through left (not uploaded)", slot.id)
                 return
-            if self.sharing is not None and timings.get("prompt_per_second"):
-                self.sharing.learn_compute(float(timings["prompt_per_second"]))
             total = int(tokens.size) + int(timings.get("predicted_n") or 0)
             c = self.options["chunk_tokens"]
             if self.sharing is not None and total // c > covered and self._store_ok():
@@ -940,8 +940,8 @@ def _no_cache_reuse(raw: bytes) -> tuple[Any, bytes]:
     object. llama-server's cache reuse (the request's field, or its --cache-reuse) moves K/V of
     another prompt to new positions: K/V that saw other tokens, which a slot save would hand this
     proxy as its tokens' exact K/V. Every POST the proxy passes sets it (llama-server generates on
-    more routes than completions: /infill, /v1/messages, /v1/responses), so that no slot it uploads
-    from holds such K/V."""
+    more routes than completions: /infill, /v1/responses). /v1/messages drops the field: after a
+    request passed through, slots are `unseen` until a restore or a whole prompt replaced them."""
     try:
         body = json.loads(raw)
     except ValueError:
