@@ -186,6 +186,28 @@ def test_a_cache_smaller_than_a_prompt_keeps_its_first_chunks(
         assert cache._match(tokens).chunks == 1
 
 
+def test_eviction_keeps_what_the_kept_chunks_of_an_extended_context_name(tmp_path: Path) -> None:
+    """Hit, extend, save: the chunks stored before name the statistics and skeleton of their own
+    save, which the new save does not write. Marked only at the hit, they were older than the
+    whole chain, so the next eviction took them first and every hit through those chunks failed
+    (and dropped them): now the save marks them after the chain, and the chain's tail goes first."""
+    llm = smollm()
+    words = sample_text("gpl-3.0.txt").split()
+    tokens = llm.tokenize(" ".join(words[:80]).encode())[: 4 * C + 3]
+    cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)
+    llm.eval(tokens[: 2 * C + 3])
+    cache[tokens[: 2 * C + 3]] = llm.save_state()
+    llm.eval(tokens[2 * C + 3 :])
+    assert cache[tokens].n_tokens == 2 * C  # the hit llama-cpp-python looks up before it saves
+    time.sleep(0.01)
+    cache[tokens] = llm.save_state()
+    assert cache._match(tokens).chunks == 4
+    cache.capacity_bytes = cache.cache_size - 1
+    cache._evict()  # one object goes: the chain's last chunk
+    assert cache[tokens].n_tokens == 3 * C
+    assert cache[tokens[: 2 * C + 1]].n_tokens == 2 * C
+
+
 _WRITER = """
 import sys
 from llama_cachegen import CompressedStateCache, Llama

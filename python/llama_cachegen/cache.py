@@ -108,6 +108,8 @@ class CompressedStateCache(BaseLlamaCache):
         self._n_ctx: int | None = None
         self._recurrent = False
         self._no_kv = False
+        # the last hit's tokens, and the statistics and skeleton its chunks name (see _store_state)
+        self._hit_support: tuple[np.ndarray, list[str]] = (np.zeros(0, np.intc), [])
         if model is not None:
             self.bind(model)
 
@@ -212,8 +214,10 @@ class CompressedStateCache(BaseLlamaCache):
                 if codec.inspect(skeleton)["kind"] != "full_buffer":
                     raise InvalidArgumentError("the chunks' skeleton is not a whole-context state")
                 used = [chunks._chunk_key(k, self.level) for k in reversed(match.keys)]
-                used += [chunks._stats_key(i) for i in reader.stats_ids]
-                used.append(chunks._skeleton_key(chunks._sha256(skeleton)))
+                support = [chunks._stats_key(i) for i in reader.stats_ids]
+                support.append(chunks._skeleton_key(chunks._sha256(skeleton)))
+                self._hit_support = (prefix, support)
+                used += support
         except EntryNotFoundError:  # evicted by another process since the lookup: gone for good
             self._drop(match)
             self.misses += 1
@@ -252,11 +256,9 @@ class CompressedStateCache(BaseLlamaCache):
         """Sets the LRU clock of `keys`, each a microsecond after the one before: a chain's chunks
         are given last first, so that its first chunks, which every hit of it needs, are the last
         evicted (a cache smaller than a prompt keeps a shorter prefix instead of its useless tail),
-        then the statistics and skeleton they need (a hit: those it used; a save: those it wrote,
-        while chunks stored by earlier saves name their own, which a save does not read: marked by
-        the hit that llama-cpp-python looks up before it saves, else they may go first and the
-        chain is a miss, dropped and stored again). Best effort: a read-only store still serves
-        hits. (An HTTP store orders by the server's GETs.)"""
+        then the statistics and skeletons they need (the last to go: without them the chunks are a
+        miss, dropped). Best effort: a read-only store still serves hits. (An HTTP store orders by
+        the server's GETs.)"""
         now = time.time()
         for i, key in enumerate(keys):
             with contextlib.suppress(OSError, CacheGenError):
@@ -328,12 +330,19 @@ class CompressedStateCache(BaseLlamaCache):
             uploads.finish()
         finally:
             uploads.close()
-        # the prompt's whole chain (chunks stored by earlier saves too) is now the most recent
+        # the prompt's whole chain (chunks stored by earlier saves too) is now the most recent, then
+        # what its chunks name: the statistics and skeleton this save wrote, and those of chunks
+        # stored before, which a save does not read: the hit llama-cpp-python looked up before
+        # this save named them (marked at that hit, they were older than the chain and went first)
         used = [chunks._chunk_key(e.key, self.level) for e in reversed(manifest.chunks)]
         if manifest.stats.get(self.level):
             used.append(chunks._stats_key(manifest.stats[self.level]))
         assert manifest.skeleton is not None
-        self._mark_used([*used, chunks._skeleton_key(manifest.skeleton)])
+        used.append(chunks._skeleton_key(manifest.skeleton))
+        held, support = self._hit_support
+        if held.size <= n and np.array_equal(manifest.meta.tokens[: held.size], held):
+            used += support
+        self._mark_used(used)
         self._evict()
 
     def _holds_worse(self, value: llama_cpp.llama.LlamaState) -> bool:
