@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -19,6 +21,7 @@ from llama_cachegen import codec
 from llama_cachegen.cache import CompressedStateCache
 from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import InvalidArgumentError
+from llama_cachegen.llama import load_compressed_state
 from llama_cachegen.model import sample_text
 
 C = 16  # small chunks keep the contexts short
@@ -329,6 +332,57 @@ def test_a_hit_keeps_the_seed_and_is_recorded_at_its_level(tmp_path: Path) -> No
     tokens = np.array(llm.tokenize(prompt.encode()), dtype=np.intc)
     assert lossy_level(llm, None, tokens) == "balanced"
     assert answers[0] == answers[1]  # the miss samples as without a cache
+
+
+def test_a_chunk_evicted_during_a_hit_costs_that_chunk_only(
+    tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
+) -> None:
+    """Another process evicts the chain's last chunk between this cache's lookup and its read: the
+    cache looks up again and hits the chunk before it (it dropped the whole chain, every chunk of
+    which other prompts still needed, and missed)."""
+    llm = smollm()
+    cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)
+    tokens = _tokens(states[0])
+    cache[tokens] = states[0]
+    lookup, evicted = cache._lookup, []
+
+    def lookup_then_evict(key: Sequence[int]) -> Any:
+        match = lookup(key)
+        if not evicted:
+            evicted.append(cache.store.delete(f"{PREFIX}chunks/{match.keys[-1]}/lossless"))
+        return match
+
+    cache._lookup = lookup_then_evict  # type: ignore[method-assign]
+    assert cache[tokens].n_tokens == C and evicted == [True]
+    assert (cache.hits, cache.misses) == (1, 0) and len(chunk_objects(cache)) == 1
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_hit_that_is_not_loaded_keeps_the_lossy_record(tmp_path: Path, plain: bool) -> None:
+    """A context holding a balanced load of a prompt completes it with a lossless prompt cache that
+    holds the prompt's first chunk: llama-cpp-python looks the hit up but does not load it (the
+    context holds more). The lookup recorded the context as exact, so the completion's save put
+    the balanced K/V into the store as lossless chunks. Now a hit is recorded when loaded (a plain
+    llama_cpp.Llama, which does not say: only ever worse)."""
+    from llama_cachegen.llama import lossy_level
+
+    prompt = " ".join(sample_text("gfdl-1.3.txt").split()[:40])
+    writer = smollm()
+    writer.set_cache(CompressedStateCache(tmp_path / "pc", level="lossless", chunk_tokens=C))
+    tokens = writer.tokenize(prompt.encode())
+    writer.create_completion(tokens[: C + 4], max_tokens=1, temperature=0.0)
+    stored = chunk_objects(writer.cache)
+    assert len(stored) == 1
+    writer.reset()
+    writer.eval(tokens)
+    blob = writer.save_compressed_state(level="balanced")
+    llm = llama_cpp.Llama(writer.model_path, n_ctx=512, n_threads=2, verbose=False) if plain else smollm()
+    load_compressed_state(llm, blob)
+    cache = CompressedStateCache(tmp_path / "pc", level="lossless", chunk_tokens=C, model=llm)
+    llm.set_cache(cache)
+    llm.create_completion(tokens + llm.tokenize(b" and then", add_bos=False), max_tokens=2, temperature=0.0)
+    assert cache.hits == 1 and lossy_level(llm, None, np.asarray(tokens, np.intc)) == "balanced"
+    assert chunk_objects(cache) == stored  # nothing balanced stored as lossless
 
 
 def test_one_cache_serves_one_llama(tmp_path: Path) -> None:

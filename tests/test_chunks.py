@@ -425,6 +425,85 @@ def test_a_state_of_two_sequences_is_saved_whole(gpl_tokens: list[int], tmp_path
     assert capture_state(other, None) == state
 
 
+def test_a_lossy_whole_load_is_recorded_for_every_sequence_it_holds(
+    gpl_tokens: list[int], tmp_path: Path
+) -> None:
+    """A whole context of two sequences loaded at balanced: sequence 1's K/V is balanced too, and
+    a lossless save of sequence 1 is stored whole (it was recorded for sequence 0 only, so the
+    save stored sequence 1's decoded K/V as its tokens' exact chunks). A lossless load clears it."""
+    from llama_cachegen.llama import lossy_level
+
+    llm = _llama(n_ctx=512, n_seq_max=2)
+    tokens = gpl_tokens[:70]  # sequence 1's
+    llm.eval(tokens)
+    seq1 = capture_state(llm, 0)
+    llm.reset()
+    llm.eval(gpl_tokens[100:140])
+    assert restore_state(llm, seq1, 1)
+    other = _llama(n_ctx=512, n_seq_max=2)
+    other.load_compressed_state(llm.save_compressed_state(level="balanced"))
+    assert lossy_level(other, 1, np.asarray(tokens, np.intc)) == "balanced"
+    report = chunks.save_chunked(
+        other, tmp_path / "seq1", levels=("lossless",), chunk_tokens=64, seq_id=1, tokens=tokens
+    )
+    assert report.fallback and "balanced" in report.fallback and report.chunk_tokens is None
+    assert not list(stores.open_store(str(tmp_path)).list(f"{PREFIX}chunks/"))
+    other.load_compressed_state(llm.save_compressed_state(level="lossless"))
+    assert lossy_level(other, 1, np.asarray(tokens, np.intc)) is None
+
+
+def test_chunks_whose_statistics_are_gone_are_removed_and_saved_again(
+    gpl_tokens: list[int], tmp_path: Path
+) -> None:
+    """Statistics evicted or deleted while their chunks stay: every load through those chunks
+    failed, and saving again skipped the chunks (they exist), so it never healed. A load now removes
+    them and finds what is left (nothing: a 0-token report); the next save writes them again. A
+    chunk evicted between the lookup and its read: looked up again, the prefix before it loads."""
+    writer = _llama(n_ctx=512)
+    tokens = gpl_tokens[:150]
+    writer.eval(tokens)
+    chunks.save_chunked(writer, tmp_path / "ctx", levels=("balanced",), chunk_tokens=32)
+    store = stores.open_store(str(tmp_path))
+    (stats,) = store.list(f"{PREFIX}stats/")
+    store.delete(stats.key)
+    llm = _llama(n_ctx=512)
+    assert chunks.load_prefix(llm, tmp_path, tokens, chunk_tokens=32).tokens == 0
+    assert not store.list(f"{PREFIX}chunks/") and llm.n_tokens == 0
+    chunks.save_chunked(writer, tmp_path / "ctx", levels=("balanced",), chunk_tokens=32)
+    assert chunks.load_prefix(llm, tmp_path, tokens, chunk_tokens=32).tokens == 150
+
+    match = chunks._match
+    evicted = []
+
+    def match_then_evict(*args: Any) -> chunks.PrefixMatch:
+        found = match(*args)
+        if not evicted:  # another process's eviction between the lookup and the read
+            evicted.append(chunks._chunk_key(found.keys[-1], "balanced"))
+            store.delete(evicted[0])
+        return found
+
+    chunks._match = match_then_evict
+    try:
+        assert chunks.load_prefix(_llama(n_ctx=512), tmp_path, tokens, chunk_tokens=32).tokens == 128
+    finally:
+        chunks._match = match
+    assert len(store.list(f"{PREFIX}chunks/")) == 4
+
+
+@pytest.mark.parametrize(
+    "tokens", [[2**31], [-1], [10**9] * 20, ["a"], "abc", [1.5], [[1, 2], [3, 4]], [[1], [2, 3]]]
+)
+def test_token_ids_that_are_no_tokens_are_refused(loader: Llama, tmp_path: Path, tokens: Any) -> None:
+    """numpy wrapped 2**31 or raised its own errors, cut 1.5 to 1, and ids past the vocabulary
+    were saved and loaded as the context's tokens."""
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        chunks.load_prefix(loader, tmp_path, tokens, chunk_tokens=64)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        chunks.longest_prefix(tmp_path, loader, tokens, chunk_tokens=64)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        loader.save_compressed_state(tmp_path / "x.lcg", tokens=tokens)
+
+
 def test_keys_chain_over_tokens_and_chunk_size(loader: Llama) -> None:
     fp = model_fingerprint(loader)
     keys = chunks.chain_keys(fp, list(range(200)), 64)

@@ -410,6 +410,111 @@ def test_dead_writers_temporaries_are_counted_and_swept_at_once(tmp_path: Path) 
     assert store.temporaries() == []
 
 
+def test_a_server_sweeps_what_its_killed_predecessor_left(tmp_path: Path) -> None:
+    """A server killed mid-upload leaves a temporary no client sees (HttpStore counts and sweeps
+    none): the next server removes it at start-up."""
+    writer = [
+        sys.executable,
+        "-c",
+        DEAD_WRITER,
+        str(tmp_path),
+        "lcg4/chunks/" + "ab" * 32 + "/balanced",
+        "5000",
+    ]
+    subprocess.run(writer, check=True, timeout=60)
+    assert len(FileStore(tmp_path).temporaries()) == 1
+    proc, _ = _serve(tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while FileStore(tmp_path).temporaries() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert FileStore(tmp_path).temporaries() == []
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+_NAMESPACED_WRITER = """
+import os, sys
+from llama_cachegen.stores.file import FileStore
+free = {int(p) for p in sys.argv[2].split(",")}
+while True:  # the writer is the first child whose pid is no process in the sweeper's namespace
+    pid = os.fork()
+    if pid == 0:
+        if os.getpid() not in free:
+            os._exit(0)
+        break
+    os.waitpid(pid, 0)
+    if pid in free:
+        sys.exit(0)
+pending = FileStore(sys.argv[1]).begin_write("ns/entry")
+pending.write(b"x" * 1000)
+print("writing", flush=True)
+sys.stdin.readline()
+pending.commit()
+print("committed", flush=True)
+"""
+
+
+def test_a_writer_in_another_pid_namespace_is_never_taken_for_dead(tmp_path: Path) -> None:
+    """Containers sharing a volume and the host's name: a writer's pid in its own PID namespace is
+    no process (or another one) in the sweeper's, which removed the live writer's temporary and
+    failed its put. Temporaries name the PID namespace; another's is judged by age only."""
+    unshare = ["unshare", "--pid", "--fork"]
+    if subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --pid is not permitted here")
+    free = [str(p) for p in range(2, 500) if not os.path.exists(f"/proc/{p}")]
+    writer = subprocess.Popen(
+        [*unshare, sys.executable, "-c", _NAMESPACED_WRITER, str(tmp_path), ",".join(free)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None and writer.stdin is not None
+        assert writer.stdout.readline().strip() == "writing"
+        store = FileStore(tmp_path)
+        assert len(store.temporaries()) == 1 and store.sweep() == 0
+        writer.stdin.write("\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline().strip() == "committed"
+        assert store.get("ns/entry") == b"x" * 1000
+    finally:
+        writer.kill()
+        writer.wait(10)
+
+
+def test_deleting_removes_the_folders_it_empties(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk has a folder of its own: left behind empty, they piled up (124 after 60 prompts
+    of a small prompt cache) and every listing and eviction walked them. A writer whose folder a
+    delete removes meanwhile creates it again."""
+    store = FileStore(tmp_path)
+    keys = [f"lcg4/chunks/{i:064x}/balanced" for i in range(20)]
+    for key in keys:
+        store.put(key, b"v")
+    store.put("lcg4/stats/" + "0" * 64, b"s")
+    for key in keys:
+        assert store.delete(key)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "lcg4",
+        "lcg4/stats",
+        "lcg4/stats/" + "0" * 64,
+    ]
+    opened = FileStore._open_folder
+
+    def open_then_removed(self: FileStore, key: str, *, create: bool = False) -> int:
+        fd = opened(self, key, create=create)
+        if create and not removed:  # another process deleted the folder's last entry meanwhile
+            removed.append(key)
+            os.rmdir(tmp_path / key.rsplit("/", 1)[0])
+        return fd
+
+    removed: list[str] = []
+    monkeypatch.setattr(FileStore, "_open_folder", open_then_removed)
+    store.put(keys[0], b"again")
+    assert removed == [keys[0]] and store.get(keys[0]) == b"again"
+
+
 def _within(seconds: float, call: Any) -> BaseException | None:
     """What `call` raised, on a thread given `seconds`: a call that blocks fails the test instead of
     hanging the suite."""

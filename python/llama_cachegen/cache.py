@@ -14,6 +14,7 @@ the fingerprint, so different models or KV layouts never meet.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 import weakref
@@ -35,6 +36,7 @@ from .errors import (
     StoreError,
 )
 from .llama import (
+    Llama,
     StateMeta,
     better_level,
     check_fingerprint,
@@ -44,6 +46,7 @@ from .llama import (
     lossy_level_anywhere,
     model_fingerprint,
     record_load,
+    record_possible_load,
 )
 from .model import cache_dir
 from .stores import Store, open_store
@@ -53,11 +56,12 @@ SNAPSHOTS = f"{chunks.PREFIX}snapshots/"  # whole contexts of models with a recu
 
 
 class _CachedState(llama_cpp.llama.LlamaState):
-    """A cache hit; `discard` drops its chunks if llama.cpp refuses the state after all."""
+    """A cache hit; `discard` drops its chunks if llama.cpp refuses the state after all, `loaded`
+    records it once a context loaded it (llama_cachegen.Llama.load_state calls both)."""
 
-    def __init__(self, discard: Any, **fields: Any) -> None:
+    def __init__(self, discard: Any, loaded: Any, **fields: Any) -> None:
         super().__init__(**fields)
-        self.discard = discard
+        self.discard, self.loaded = discard, loaded
 
 
 class CompressedStateCache(BaseLlamaCache):
@@ -196,46 +200,41 @@ class CompressedStateCache(BaseLlamaCache):
 
     def __getitem__(self, key: Sequence[int]) -> llama_cpp.llama.LlamaState:
         fingerprint = self._bound()
-        match = self._lookup(key)
-        if not match.chunks:
-            self.misses += 1
-            raise KeyError("no cached prefix")
-        prefix = np.asarray(key[: match.positions], dtype=np.intc)
-        # everything is checked and decoded here: llama-cpp-python overwrites its token list before
-        # it hands the state to llama.cpp
-        try:
-            if self._recurrent:
-                state, used = self._read_snapshot(match.keys[0], prefix, fingerprint), [match.keys[0]]
-            else:
-                levels = [(self.level,)] * match.chunks
-                c = self.chunk_tokens
-                reader = chunks._ChunkReader(self.store, fingerprint, prefix, c, match.keys, levels)
-                state, skeleton, _ = chunks._assemble(reader, None, self.threads)
-                if codec.inspect(skeleton)["kind"] != "full_buffer":
-                    raise InvalidArgumentError("the chunks' skeleton is not a whole-context state")
-                used = [chunks._chunk_key(k, self.level) for k in reversed(match.keys)]
-                support = [chunks._stats_key(i) for i in reader.stats_ids]
-                support.append(chunks._skeleton_key(chunks._sha256(skeleton)))
-                self._hit_support = (prefix, support)
-                used += support
-        except EntryNotFoundError:  # evicted by another process since the lookup: gone for good
-            self._drop(match)
-            self.misses += 1
-            raise KeyError("cached prefix evicted meanwhile") from None
-        except (StoreError, NativeMemoryError, OSError) as exc:  # the store or memory failed, not
-            # the chunks (they were dropped too, on a timeout): a miss that keeps them
-            _log.warning("prompt cache: hit not read, a miss: %s", exc)
-            self.misses += 1
-            raise KeyError(f"cached prefix not read: {exc}") from exc
-        except CacheGenError as exc:  # damaged, foreign or forged: drop it and miss rather than fail
-            self._drop(match)
-            self.misses += 1
-            raise KeyError(f"unusable cached prefix: {exc}") from exc
+        for attempt in itertools.count():
+            match = self._lookup(key)
+            if not match.chunks:
+                self.misses += 1
+                raise KeyError("no cached prefix")
+            prefix = np.asarray(key[: match.positions], dtype=np.intc)
+            # everything is checked and decoded here: llama-cpp-python overwrites its token list
+            # before it hands the state to llama.cpp
+            try:
+                state, used = self._read(match, prefix, fingerprint)
+                break
+            except EntryNotFoundError as exc:  # evicted by another process since the lookup:
+                # what is left still serves (chunks naming what is gone are removed as found)
+                if not chunks.read_again(exc, attempt):
+                    self.misses += 1
+                    raise KeyError("cached prefix evicted meanwhile") from None
+            except (StoreError, NativeMemoryError, OSError) as exc:  # the store or memory failed,
+                # not the chunks (they were dropped too, on a timeout): a miss that keeps them
+                _log.warning("prompt cache: hit not read, a miss: %s", exc)
+                self.misses += 1
+                raise KeyError(f"cached prefix not read: {exc}") from exc
+            except CacheGenError as exc:  # damaged, foreign or forged: drop it, miss rather than fail
+                self._drop(match)
+                self.misses += 1
+                raise KeyError(f"unusable cached prefix: {exc}") from exc
         self._mark_used(used)
         self.hits += 1
         llm = None if self._llm is None else self._llm()
-        if llm is not None:  # what a content-addressed save of this context must know (lossy_level)
-            record_load(llm, None, prefix, None if self.level == "lossless" else (0, self.level))
+        # what a content-addressed save of this context must know (lossy_level): llama-cpp-python
+        # looks up on every completion but loads a hit only when it is longer than what the
+        # context holds (recorded as lossless at every lookup, balanced K/V held went into the
+        # store as exact). A plain llama_cpp.Llama does not say whether it loaded: recorded worse.
+        lossy = None if self.level == "lossless" else (0, self.level)
+        if llm is not None and not isinstance(llm, Llama):
+            record_possible_load(llm, prefix, self.level)
         input_ids = np.zeros(self._n_ctx or prefix.size, dtype=np.intc)
         input_ids[: prefix.size] = prefix
         n_vocab = int(fingerprint.get("n_vocab") or 1)
@@ -244,6 +243,7 @@ class CompressedStateCache(BaseLlamaCache):
         unknown = np.nan if llm is not None and llm._logits_all else 0.0
         return _CachedState(
             lambda: self._discard(match),
+            lambda into: record_load(into, None, prefix, lossy),
             input_ids=input_ids,
             scores=np.full((1, n_vocab), unknown, np.single),
             n_tokens=int(prefix.size),
@@ -251,6 +251,22 @@ class CompressedStateCache(BaseLlamaCache):
             llama_state_size=len(state),
             seed=getattr(llm, "_seed", 0),  # llama-cpp-python's load_state sets it: kept
         )
+
+    def _read(
+        self, match: chunks.PrefixMatch, prefix: np.ndarray, fingerprint: dict[str, Any]
+    ) -> tuple[np.ndarray, list[str]]:
+        """The state of a match, checked and decoded, and the keys it used."""
+        if self._recurrent:
+            return self._read_snapshot(match.keys[0], prefix, fingerprint), [match.keys[0]]
+        levels = [(self.level,)] * match.chunks
+        reader = chunks._ChunkReader(self.store, fingerprint, prefix, self.chunk_tokens, match.keys, levels)
+        state, skeleton, _ = chunks._assemble(reader, None, self.threads)
+        if codec.inspect(skeleton)["kind"] != "full_buffer":
+            raise InvalidArgumentError("the chunks' skeleton is not a whole-context state")
+        support = [chunks._stats_key(i) for i in reader.stats_ids]
+        support.append(chunks._skeleton_key(chunks._sha256(skeleton)))
+        self._hit_support = (prefix, support)
+        return state, [*(chunks._chunk_key(k, self.level) for k in reversed(match.keys)), *support]
 
     def _mark_used(self, keys: list[str]) -> None:
         """Sets the LRU clock of `keys`, each a microsecond after the one before: a chain's chunks

@@ -23,7 +23,9 @@ compares them, and refuses anything that does not match before the context is to
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import logging
 import re
 import threading
 import time
@@ -63,6 +65,7 @@ from .llama import (
     restore_context,
     room_message,
     seq_room,
+    token_ids,
 )
 
 FORMAT_VERSION = codec.version()[1]
@@ -72,6 +75,7 @@ CHUNK_META_MAGIC = b"LCGK"
 CHUNK_META_VERSION = 1
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS = 16, 4096, 256
 DEFAULT_LEVELS = ("high", "balanced", "compact")
+_log = logging.getLogger("llama_cachegen.chunks")
 PREFIX = f"lcg{FORMAT_VERSION}/"
 
 _MAX_MANIFEST_HEADER = 64 << 20  # ~100 bytes of JSON per chunk: 2^28 tokens at C = 4096 fit
@@ -617,16 +621,29 @@ class _ChunkReader:
         does not repeat byte for byte), it would fail every load, and a save skips an object that
         exists. Content-addressed, it is written again by the next save of any context holding it;
         the error says so."""
-        try:
-            removed = self.store.get(key) == data and self.store.delete(key)
-        except CacheGenError:
-            removed = False  # gone meanwhile, or this reader may not delete: leave it
-        if not removed:
+        if not self._remove(key, data):
             return exc
         note = "damaged where it is stored: removed, so that saving the context again writes it"
         new = type(exc)(f"{exc} ({note})")
         new.__cause__ = exc
         return new
+
+    def _remove(self, key: str, data: bytes) -> bool:
+        """Deletes `key` if the store still holds `data` there; False when it did not."""
+        try:
+            return self.store.get(key) == data and self.store.delete(key)
+        except CacheGenError:
+            return False  # gone meanwhile, or this reader may not delete: leave it
+
+    def discard_orphan(self, key: str, chunk: bytes, missing: str) -> bool:
+        """Deletes the chunk `key` (these bytes) that names the object `missing`, which the store
+        no longer has (evicted, deleted): it would fail every load, and a save skips a chunk that
+        exists. The next save of its tokens writes it again with objects of its own. True when
+        it was removed."""
+        if not self._remove(key, chunk):
+            return False
+        _log.warning("%s names %s, which the store lacks: removed", key, missing)
+        return True
 
     def _count(self, n: int) -> None:
         self.bytes_read += n
@@ -644,6 +661,7 @@ class _ChunkReader:
     def fetch(self, i: int, levels: Sequence[str] | None = None) -> _Fetched:
         """Chunk i at the first of `levels` (default: its candidates) that the store has."""
         start = time.perf_counter()
+        orphaned = False
         for level in self.candidates[i] if levels is None else levels:
             try:
                 chunk = self.store.get(_chunk_key(self.keys[i], level))
@@ -657,13 +675,20 @@ class _ChunkReader:
             except CorruptDataError as exc:
                 raise self.discard_damaged(exc, _chunk_key(self.keys[i], level), chunk)  # noqa: B904
             if meta.stats_id not in self._stats:
-                data = self.get_verified(_stats_key(meta.stats_id), meta.stats_id, "statistics")
+                try:
+                    data = self.get_verified(_stats_key(meta.stats_id), meta.stats_id, "statistics")
+                except EntryNotFoundError:
+                    missing = _stats_key(meta.stats_id)
+                    orphaned |= self.discard_orphan(_chunk_key(self.keys[i], level), chunk, missing)
+                    continue  # the next level may be there
                 self._stats[meta.stats_id] = codec.Stats(data, bytes.fromhex(meta.stats_id))
             return _Fetched(level, chunk, meta, self._stats[meta.stats_id], time.perf_counter() - start)
-        raise EntryNotFoundError(
-            f"chunk {i} ({self.keys[i]}) is stored at none of the levels "
-            + ", ".join(self.candidates[i] if levels is None else levels)
+        message = f"chunk {i} ({self.keys[i]}) is stored at none of the levels " + ", ".join(
+            self.candidates[i] if levels is None else levels
         )
+        if orphaned:
+            raise _OrphanRemoved(f"{message} (one that named statistics the store lacks was removed)")
+        raise EntryNotFoundError(message)
 
     def _check(self, i: int, level: str, chunk: bytes) -> ChunkMeta:
         meta = ChunkMeta.unpack(codec.user_meta(chunk))  # checksum-verified by the native library
@@ -686,6 +711,21 @@ class _ChunkReader:
         if info["level"] != level:
             raise CorruptDataError(f"{name} is coded at level {info['level']}")
         return meta
+
+
+class _OrphanRemoved(EntryNotFoundError):
+    """An object a chunk names was missing, and the chunk was removed: a lookup again finds what
+    is left (the chunks of one save name the same statistics: one is found, and removed, per read)."""
+
+
+_READ_ATTEMPTS = 64
+
+
+def read_again(exc: EntryNotFoundError, attempt: int) -> bool:
+    """Whether a read of a prefix that found an object missing (attempt 0, 1, ...) is worth a
+    lookup again: once (evicted since the lookup), then while each read removes a chunk that names
+    what is gone (at most _READ_ATTEMPTS reads)."""
+    return attempt == 0 or (isinstance(exc, _OrphanRemoved) and attempt + 1 < _READ_ATTEMPTS)
 
 
 def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> int:
@@ -715,7 +755,14 @@ def _assemble(
         order = [n_chunks - 1, *range(n_chunks - 1)]
         ready.append(reader.fetch(order[0]))
         skeleton_id = ready[0].meta.skeleton_id
-    skeleton = reader.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton")
+    try:
+        skeleton = reader.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton")
+    except EntryNotFoundError as exc:
+        # the last chunk named it: the chain cannot end there until that chunk is written again
+        key = _chunk_key(reader.keys[-1], ready[0].level) if ready else None
+        if key is not None and reader.discard_orphan(key, ready[0].chunk, _skeleton_key(skeleton_id)):
+            raise _OrphanRemoved(f"{exc} ({key}, which named it, was removed)") from exc
+        raise
     n_pos = len(reader.tokens)
     bound = _state_bound(reader.fingerprint, n_pos, skeleton)
     state = codec.skeleton_state(skeleton, n_pos, max_size=bound, alloc=codec.empty_buffer)
@@ -900,7 +947,7 @@ def longest_prefix(
 ) -> PrefixMatch:
     """Walks the chained keys of `tokens` with `exists` calls only (no K/V is fetched)."""
     with stores.open_store(str(store_url)) as store:
-        return _match(store, model_fingerprint(llm), np.asarray(tokens, dtype=np.intc), chunk_tokens)
+        return _match(store, model_fingerprint(llm), token_ids(llm, tokens), chunk_tokens)
 
 
 def _match(
@@ -938,23 +985,30 @@ def load_prefix(
     if level is not None:
         level = codec.level_name(level)  # a number too, as load_chunked takes it
     _seq_id_ok(llm, seq_id)
-    query = np.asarray(tokens, dtype=np.intc)
+    query = token_ids(llm, tokens)
     fingerprint = model_fingerprint(llm)
     with stores.open_store(str(store_url)) as store:
-        match = _match(store, fingerprint, query, chunk_tokens)
-        if level is not None:  # the prefix ends at the first chunk without that level
-            match.chunks = next((i for i, lv in enumerate(match.levels) if level not in lv), match.chunks)
-            match.positions = min(match.chunks * chunk_tokens, int(query.size))
-            del match.keys[match.chunks :], match.levels[match.chunks :]
-        if not match.chunks:
-            elapsed = (time.perf_counter() - t0) * 1e3
-            return LoadReport(0, 0, 0, 0, 0.0, elapsed, 0.0, 0.0, seq_id, extra={"chunks": 0, "match": match})
-        prefix = query[: match.positions]
-        _check_room(llm, match.positions)
-        candidates = [(level,) if level else lv for lv in match.levels]
-        reader = _ChunkReader(store, fingerprint, prefix, chunk_tokens, match.keys, candidates)
-        t1 = time.perf_counter()
-        state, skeleton, figures = _assemble(reader, None, threads)
+        for attempt in itertools.count():  # objects gone since the lookup: read_again
+            match = _match(store, fingerprint, query, chunk_tokens)
+            if level is not None:  # the prefix ends at the first chunk without that level
+                match.chunks = next((i for i, lv in enumerate(match.levels) if level not in lv), match.chunks)
+                match.positions = min(match.chunks * chunk_tokens, int(query.size))
+                del match.keys[match.chunks :], match.levels[match.chunks :]
+            if not match.chunks:
+                elapsed = (time.perf_counter() - t0) * 1e3
+                extra = {"chunks": 0, "match": match}
+                return LoadReport(0, 0, 0, 0, 0.0, elapsed, 0.0, 0.0, seq_id, extra=extra)
+            prefix = query[: match.positions]
+            _check_room(llm, match.positions)
+            candidates = [(level,) if level else lv for lv in match.levels]
+            reader = _ChunkReader(store, fingerprint, prefix, chunk_tokens, match.keys, candidates)
+            t1 = time.perf_counter()
+            try:
+                state, skeleton, figures = _assemble(reader, None, threads)
+                break
+            except EntryNotFoundError as exc:
+                if not read_again(exc, attempt):
+                    raise
     target = _target("all" if codec.inspect(skeleton)["kind"] == "full_buffer" else "seq", seq_id)
     t2 = time.perf_counter()
     restore_context(llm, state, target, prefix, None, figures["lossy"])

@@ -438,6 +438,25 @@ def require_kv_cache(llm: llama_cpp.Llama) -> None:
         )
 
 
+def token_ids(llm: llama_cpp.Llama, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """`tokens` as an array of the model's token ids, else InvalidArgumentError: a flat sequence of
+    integers in [0, n_vocab) (numpy alone wrapped 2**31, cut 1.5 to 1, and raised its own errors)."""
+    try:
+        ids = np.asarray(tokens)
+    except (ValueError, TypeError) as exc:  # ragged nesting
+        raise InvalidArgumentError(f"token ids must be a flat sequence of integers: {exc}") from None
+    if ids.size == 0:
+        return np.zeros(0, np.intc)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise InvalidArgumentError(
+            f"token ids must be a flat sequence of integers, not {ids.dtype} values of shape {ids.shape}"
+        )
+    n_vocab = llm.n_vocab()
+    if int(ids.min()) < 0 or int(ids.max()) >= n_vocab:
+        raise InvalidArgumentError(f"token ids must lie in [0, {n_vocab}) for this model")
+    return ids.astype(np.intc)
+
+
 def capture_meta(llm: llama_cpp.Llama, seq_id: int | None, tokens: Sequence[int] | None = None) -> StateMeta:
     """The envelope for a state of `llm` (tokens default to llama-cpp-python's own, for seq 0 / all).
 
@@ -449,6 +468,7 @@ def capture_meta(llm: llama_cpp.Llama, seq_id: int | None, tokens: Sequence[int]
     own = seq_id in (None, 0)
     if tokens is None:
         tokens = llm.input_ids[: llm.n_tokens] if own else []
+    tokens = token_ids(llm, tokens)
     n_pos = _positions(llm, seq_id)
     if len(tokens) > n_pos:
         raise InvalidArgumentError(
@@ -461,7 +481,7 @@ def capture_meta(llm: llama_cpp.Llama, seq_id: int | None, tokens: Sequence[int]
         scope="all" if seq_id is None else "seq",
         seq_id=seq_id,
         n_ctx=llm.n_ctx(),
-        tokens=np.asarray(tokens, dtype=np.intc),
+        tokens=tokens,
         logits=_last_logits(llm) if own and len(tokens) == llm.n_tokens else None,
         seed=getattr(llm, "_seed", None),
     )
@@ -585,7 +605,9 @@ class LossyLoad:
 
 
 # Per context and sequence (the whole context and sequence 0 share llama-cpp-python's token list):
-# the last load that put lossy K/V in it. Content-addressed saves consult it (lossy_level).
+# the last load that put lossy K/V in it. Content-addressed saves consult it (lossy_level). A
+# whole-context load's other sequences are recorded with no tokens and exact_until -1: their
+# tokens are not known, so any tokens of theirs count as holding it.
 _lossy_loads: weakref.WeakKeyDictionary[llama_cpp.Llama, dict[int, LossyLoad]] = weakref.WeakKeyDictionary()
 
 
@@ -604,6 +626,7 @@ def lossy_level_anywhere(tokens: np.ndarray) -> str | None:
     (a prompt cache): the worst level any of them holds for these tokens (another context that
     loaded the same tokens lossy counts too: a caution, never a wrong answer)."""
     records = [r for per_target in list(_lossy_loads.values()) for r in list(per_target.values())]
+    records = [r for r in records if r.exact_until >= 0]  # a whole load's other sequences: unknown tokens
     return max((r.level for r in records if r.held_by(tokens)), key=codec.LEVEL_ORDER.index, default=None)
 
 
@@ -652,10 +675,34 @@ def record_load(
     """Notes that the context (or sequence `target`) now holds the K/V of `tokens`, decoded from
     a lossy level from position lossy[0] on (lossy_level), or exact (lossy None)."""
     records = _lossy_loads.setdefault(llm, {})
+    if target is not None:
+        records.pop(target, None)
+        if lossy is not None:
+            records[target] = LossyLoad(np.array(tokens, dtype=np.intc), *lossy)
+        return
+    # the whole context was replaced: every sequence, those beside 0 too (their K/V came from
+    # the same level; before, a save of sequence 1 stored it as exact)
+    records.clear()
     if lossy is None:
-        records.pop(target or 0, None)
-    else:
-        records[target or 0] = LossyLoad(np.array(tokens, dtype=np.intc), *lossy)
+        return
+    records[0] = LossyLoad(np.array(tokens, dtype=np.intc), *lossy)
+    memory = llama_cpp.llama_get_memory(llm.ctx)
+    for seq in range(1, llama_cpp.llama_n_seq_max(llm.ctx)):
+        if llama_cpp.llama_memory_seq_pos_max(memory, seq) >= 0:
+            records[seq] = LossyLoad(np.zeros(0, np.intc), -1, lossy[1])
+
+
+def record_possible_load(llm: llama_cpp.Llama, tokens: np.ndarray, level: str) -> None:
+    """A prompt-cache hit at `level` into a context that does not say whether it loaded it (a
+    plain llama_cpp.Llama loads a hit only when it is longer than what the context holds): the
+    record only gets worse, so it holds either way. The context then holds `tokens` (loaded) or
+    tokens that start with them (not loaded: they were held already)."""
+    if level == "lossless":
+        return
+    records = _lossy_loads.setdefault(llm, {})
+    held = records.get(0)
+    worst = level if held is None or better_level(held.level, level) else held.level
+    records[0] = LossyLoad(np.array(tokens, dtype=np.intc), 0, worst)
 
 
 def put_back(llm: llama_cpp.Llama, backup: np.ndarray | None, target: int | None) -> bool:
@@ -835,6 +882,10 @@ class Llama(llama_cpp.Llama):
             if discard is None:
                 raise
             discard()
+            return
+        loaded = getattr(state, "loaded", None)
+        if loaded is not None:
+            loaded(self)
 
     def set_cache(self, cache: Any) -> None:
         """Sets the prompt cache; a CompressedStateCache is bound to this model's fingerprint."""

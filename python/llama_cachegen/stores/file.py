@@ -26,13 +26,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
+from ..errors import CacheGenError, EntryNotFoundError, InvalidArgumentError, StoreError
 from . import AuthKey, EntryInfo, Store, check_key, is_key
 
 _TMP_PREFIX = ".tmp-"
-# temporaries are named .tmp-<host>-<pid>-<random>-<name>: a sweeper on the same host can tell
-# whether the writer still runs
-_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_FOLDER_ATTEMPTS = 8  # begin_write's tries when a delete removes the folder it just created
+
+
+def _pid_space() -> str:
+    """Where a pid names one process: the host name and the PID namespace (containers that share
+    a volume and the host's name see other pids: a live writer's pid there is no process here)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc: the host name alone
+        namespace = 0
+    return hashlib.sha256(f"{socket.gethostname()}/{namespace}".encode()).hexdigest()[:8]
+
+
+# temporaries are named .tmp-<pid space>-<pid>-<random>-<name>: a sweeper in the same pid space can
+# tell whether the writer still runs
+_PID_SPACE = _pid_space()
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -66,14 +79,15 @@ def path_of(url: str | Path) -> Path:
 
 
 def _tmp_name(name: str) -> str:
-    return f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex}-{name}"
+    return f"{_TMP_PREFIX}{_PID_SPACE}-{os.getpid()}-{uuid.uuid4().hex}-{name}"
 
 
 def writer_is_dead(tmp_name: str) -> bool:
-    """True when the temporary `tmp_name` was written on this host by a process that is gone."""
+    """True when the temporary `tmp_name` was written in this pid space (host and PID namespace) by
+    a process that is gone."""
     parts = tmp_name.removeprefix(_TMP_PREFIX).split("-", 3)
-    if len(parts) < 4 or parts[0] != _HOST or not parts[1].isdigit():
-        return False  # another host's, or an older naming: only its age tells
+    if len(parts) < 4 or parts[0] != _PID_SPACE or not parts[1].isdigit():
+        return False  # another host's or PID namespace's, or an older naming: only its age tells
     try:
         os.kill(int(parts[1]), 0)
     except ProcessLookupError:
@@ -218,25 +232,30 @@ class FileStore(Store):
     def begin_write(self, key: str) -> PendingWrite:
         """A PendingWrite for `key` (folders created as needed); StoreError when a folder of the
         key is a file or a link, or the key names a folder or a link."""
-        try:
-            fd = self._open_folder(key, create=True)
-        except OSError as exc:
-            raise self._failure("write", key, exc) from exc
+        for attempt in range(1, _FOLDER_ATTEMPTS + 1):
+            try:
+                return self._begin_write(key)
+            except FileNotFoundError as exc:  # a delete emptied a folder of the key and removed it
+                if attempt == _FOLDER_ATTEMPTS:  # between its creation here and the temporary's
+                    raise self._failure("write", key, exc) from exc
+            except OSError as exc:
+                raise self._failure("write", key, exc) from exc
+        raise AssertionError("unreachable")
+
+    def _begin_write(self, key: str) -> PendingWrite:
+        fd = self._open_folder(key, create=True)
         name = key.rsplit("/", 1)[-1]
         try:
-            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-        except FileNotFoundError:
-            mode = stat.S_IFREG
-        except OSError as exc:
+            try:
+                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                mode = stat.S_IFREG
+            if not stat.S_ISREG(mode):
+                raise StoreError(f"cannot write {key!r} in {self.root}: a folder or a link is there")
+        except BaseException:
             os.close(fd)
-            raise self._failure("write", key, exc) from exc
-        if not stat.S_ISREG(mode):
-            os.close(fd)
-            raise StoreError(f"cannot write {key!r} in {self.root}: a folder or a link is there")
-        try:
-            return PendingWrite(fd, name)
-        except OSError as exc:
-            raise self._failure("write", key, exc) from exc
+            raise
+        return PendingWrite(fd, name)
 
     def _put(self, key: str, data: bytes) -> None:
         _finish(self.begin_write(key), data, f"cannot write {key!r} in {self.root}")
@@ -269,7 +288,21 @@ class FileStore(Store):
             return False
         except OSError as exc:
             raise self._failure("delete", key, exc) from exc
+        self._remove_empty_folders(key)
         return True
+
+    def _remove_empty_folders(self, key: str) -> None:
+        """Removes the folders of `key` that its deletion left empty, deepest first (each chunk
+        has a folder of its own: left behind, they piled up and every listing walked them). A
+        writer that finds its folder gone meanwhile creates it again (begin_write)."""
+        folders = key.split("/")[:-1]
+        while folders:
+            name = folders.pop()
+            try:
+                with self._folder("/".join([*folders, name])) as (parent, _):
+                    os.rmdir(name, dir_fd=parent)
+            except (OSError, CacheGenError):  # not empty, gone, not ours to remove: done
+                return
 
     def exists(self, key: str) -> bool:
         return self._stat(check_key(key)) is not None

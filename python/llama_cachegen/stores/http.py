@@ -20,20 +20,21 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import logging
 import os
 import re
 import sys
 import threading
 import urllib.parse
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import urllib3
 from aiohttp import web
 
-from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
+from ..errors import CacheGenError, EntryNotFoundError, InvalidArgumentError, StoreError
 from . import AuthKey, EntryInfo, Store, check_key, is_key
 from .file import FileStore, PendingWrite
 
@@ -41,6 +42,7 @@ TOKEN_ENV = "LLAMA_CACHEGEN_TOKEN"
 MAX_BODY = 8 << 30  # refuse uploads beyond this: a state of 8 GiB is already far past any real one
 BODY_TIMEOUT_S = 60.0  # an upload that sends nothing for this long is dropped
 KEEPALIVE_S = 30.0  # idle connections (and connections that never send a request) are closed
+SWEEP_EVERY_S = 600.0  # how often the server removes the temporaries of uploads that died
 _CHUNK = 1 << 20
 _READ_PIECE = 1 << 18  # the most a client's read takes at once (it counts its progress per read)
 
@@ -304,6 +306,25 @@ class _Server:
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
+    async def sweeping(self, _app: web.Application) -> AsyncIterator[None]:
+        """Removes the temporaries of uploads that never finished (a server killed mid-PUT; a
+        client's partial write is removed as it fails) at start-up and every SWEEP_EVERY_S: they
+        take space, and no client sees them to count or sweep."""
+
+        async def sweep_forever() -> None:
+            while True:
+                try:
+                    await self._run(self.store.sweep)
+                except (OSError, CacheGenError) as exc:
+                    logging.getLogger("llama_cachegen.serve").warning("sweep failed: %s", exc)
+                await asyncio.sleep(SWEEP_EVERY_S)
+
+        task = asyncio.create_task(sweep_forever())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         key = path.strip("/")
@@ -416,6 +437,7 @@ def make_app(
     server = _Server(FileStore(directory, auth_key=b""), token, private, max_body, body_timeout)
     app = web.Application(client_max_size=max_body)
     app.router.add_route("*", "/{tail:.*}", server.handle)
+    app.cleanup_ctx.append(server.sweeping)
     return app
 
 
