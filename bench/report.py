@@ -28,7 +28,8 @@ MIN_DECODE_MBPS, MIN_ENCODE_MBPS = 2000.0, 1000.0
 class Results:
     cfg: Config
     setup: list[tuple[str, str]]
-    presets: list[tuple[str, float, float, float, int]]  # level, k_step, v_step, first_layer_scale, sinks
+    # level, reference cache type, error scale (the steps follow them), first_layer_scale, sinks
+    presets: list[tuple[str, str | None, float | None, float, int]]
     points: list[rd.Point]
     speed: list[SpeedRow]
     speed_tokens: int
@@ -226,8 +227,15 @@ def markdown(r: Results) -> str:
         "Times are medians of repetitions, all measured in this run.",
         "",
     ]
-    out += ["Level presets (from `inspect` of this run's containers):", ""]
-    out += [table(("level", "k_step", "v_step", "first_layer_scale", "sink tokens"), r.presets), ""]
+    out += [
+        "Level presets (from `inspect` of this run's containers: each tensor's step gives a squared "
+        "error of `error scale` x the reference cache type's on that tensor):",
+        "",
+    ]
+    out += [
+        table(("level", "reference", "error scale", "first_layer_scale", "sink tokens"), r.presets),
+        "",
+    ]
     out += [f"## Targets ({cfg.target_len} tokens, mean over {len(cfg.texts)} text(s))", ""]
     out += [table(("target", "requirement", "measured", "result"), targets(r)), ""]
 
@@ -269,8 +277,8 @@ def markdown(r: Results) -> str:
         "Modelled: transfer = bytes / bandwidth; `pipelined` assumes the state is cut into "
         f"{c.chunks} equal chunks whose transfer and decode overlap, each costing 1/{c.chunks} of the "
         "measured whole (decode is linear in length, see Scaling), so TTFT = max(transfer, decode) + "
-        f"min(transfer, decode) / {c.chunks} + restore. The codec has no chunk API yet: this part is not "
-        "measured.",
+        f"min(transfer, decode) / {c.chunks} + restore. Modelled here; bench/streaming.py measures the "
+        "real chunked pipeline end to end over a shaped link.",
         "",
         table(("Gbps", *names), [(b, *(fns[name](b) for name in names)) for b in cfg.bandwidths_gbps]),
         "",

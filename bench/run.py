@@ -133,7 +133,7 @@ def run(cfg: Config, argv: list[str]) -> Path:
     for level in LEVELS:
         info = llama_cachegen.inspect(llama_cachegen.encode(state, level))
         presets.append(
-            (level, info["k_step"], info["v_step"], info["first_layer_scale"], info["sink_tokens"])
+            (level, info["reference"], info["error_scale"], info["first_layer_scale"], info["sink_tokens"])
         )
     setup.append(("load average at end (1/5/15 min)", _load()))
     results = report.Results(

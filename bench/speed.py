@@ -82,7 +82,7 @@ PATHS = {
     "scalar": {"LCG_NO_SIMD": "1"},
 }
 _PATH_SCRIPT = """
-import sys, time, llama_cachegen as l
+import statistics, sys, time, llama_cachegen as l
 state = open(sys.argv[1], 'rb').read()
 for level in sys.argv[3:]:
     blob = l.encode(state, level, threads=1)
@@ -92,7 +92,7 @@ for level in sys.argv[3:]:
         t = time.perf_counter()
         l.codec.decode_into(blob, dst, threads=1)
         times.append(time.perf_counter() - t)
-    print(level, len(blob), min(times))
+    print(level, len(blob), statistics.median(times))
 """
 
 

@@ -12,8 +12,9 @@ adaptation), adaptive (measured throughput; no prior: the first chunk's level fr
 fetch) and adaptive with an oracle (the relay's trace). TTFT = time to a loaded context + one token's decode
 (measured once). A fixed method whose transfer alone would exceed the cap (1.5 x the largest SLO;
 3 x on the constant trace the decode hiding is measured on) on a trace is not run there and counts
-as a miss. Quality: mean KL over a teacher-forced continuation per level, measured once; a mix is
-weighted by tokens (text and lossless: 0).
+as a miss. Quality: mean KL over a teacher-forced continuation, per level measured once, and for
+every adaptive and oracle load on the state it loaded (a mix's KL is not its levels' weighted by
+tokens: one lossy chunk already costs about the model's noise floor).
 Writes streaming.md, streaming.json and streaming.png into --out.
 
 `--adaptive-only F` runs adaptive alone (with `--oracle`, the oracle too) on the random traces at
@@ -85,7 +86,10 @@ def _serve(root: Path) -> tuple[subprocess.Popen[bytes], str]:
     )
     assert proc.stderr is not None
     line = proc.stderr.readline().decode()
-    require(" at http://" in line, f"the store server did not start: {line!r}")
+    if " at http://" not in line:
+        proc.kill()
+        proc.wait()
+        require(False, f"the store server did not start: {line!r}")
     return proc, line.split(" at ")[1].split()[0].rstrip("/")
 
 
@@ -172,6 +176,17 @@ class Bench:
         self.slos = [round(f * self.text_s, 2) for f in SLO_FRACTIONS]
         self.cap = 1.5 * max(self.slos)
         stream.calibrate(self.llm)
+
+    def loaded_kl(self) -> float:
+        """The KL of the state a load left in self.llm, measured as each level's is: a mix's is not
+        the token-weighted mean of its levels' (one lossy chunk among lossless ones already costs
+        about the model's noise floor: up to 3x that estimate, report.expected_kl)."""
+        q, n = self.qllm, self.args.tokens
+        require(restore_state(q, capture_state(self.llm, None), None), "llama.cpp refused the state")
+        q.n_tokens = n
+        q.eval(self.cont)
+        test = np.array(q.scores[n : n + CONT_TOKENS], dtype=np.float64)
+        return compare_logits(self.ref, test, self.cont)["kl"]
 
     def add_target_slo(self, runs: list[Run]) -> None:
         """Adds the SLO the random-trace target is defined at: just under the median TTFT of fixed
@@ -285,7 +300,7 @@ class Bench:
                         method,
                         slo,
                         ttft,
-                        report.expected_kl,
+                        self.loaded_kl(),
                         d["levels"],
                         None,
                         d["chunks"],
@@ -348,8 +363,8 @@ def targets(b: Bench, runs: list[Run], random_traces: list[Trace]) -> list[tuple
             )
         )
     # 2. constant rates: adaptive within 10% of the best fixed choice there (the best-quality fixed
-    # method that meets the SLO, what one would pick knowing the rate; else the fastest). Adaptive
-    # may also be slower while meeting the SLO with a better mix (lower KL): counted apart.
+    # method that meets the SLO, the fastest of equals, what one would pick knowing the rate; else
+    # the fastest). Every case over 10% fails it; those that met the SLO at a lower KL are named.
     order = ["raw f16", *LEVELS, stream.TEXT]
     worst, detail, traded, bad = -math.inf, "", 0, 0
     for inst in dict.fromkeys(r.instance for r in runs if r.trace == "constant"):
@@ -357,21 +372,23 @@ def targets(b: Bench, runs: list[Run], random_traces: list[Trace]) -> list[tuple
         for slo in b.slos:
             meeting = [fixed[m] for m in order if m in fixed and not _missed(fixed[m], slo)]
             done = [r for r in fixed.values() if r.ttft_s is not None]
-            best = meeting[0] if meeting else min(done, key=lambda r: r.ttft_s or math.inf)
+            best = (
+                min(meeting, key=lambda r: (r.kl, r.ttft_s or math.inf))
+                if meeting
+                else min(done, key=lambda r: r.ttft_s or math.inf)
+            )
             ad = next(r for r in runs if r.instance == inst and r.method == "adaptive" and r.slo_s == slo)
             assert ad.ttft_s is not None and best.ttft_s is not None
             excess = ad.ttft_s / best.ttft_s - 1
             if excess <= TTFT_TOLERANCE:
                 continue
-            if not _missed(ad, slo) and ad.kl < best.kl:
-                traded += 1
-                continue
+            traded += not _missed(ad, slo) and ad.kl < best.kl
             bad += 1
             if excess > worst:
                 worst = excess
                 detail = f"{inst}, SLO {slo:g} s: {ad.ttft_s:.2f} s vs {best.method} {best.ttft_s:.2f} s"
     measured = f"{bad} case(s) over 10%" + (f", worst {100 * worst:+.0f}% ({detail})" if bad else "")
-    measured += f"; {traded} case(s) slower but within the SLO at a lower KL"
+    measured += f" ({traded} of them within the SLO at a lower KL)" if bad else ""
     out.append(
         (
             "constant rates: adaptive TTFT within 10% of the best fixed choice (best quality meeting "

@@ -2,8 +2,8 @@
 
 Measured: the prefill, the restore (llama_state_seq_set_data + evaluating one token), and each
 level's whole-state decode. Modelled: the transfer (bytes / bandwidth) and the chunked pipeline
-(no chunk API yet: C equal chunks, each taking 1/C of the measured transfer and decode, so the
-pipeline costs max(transfer, decode) + min(transfer, decode) / C).
+(C equal chunks, each taking 1/C of the measured transfer and decode, so the pipeline costs
+max(transfer, decode) + min(transfer, decode) / C); bench/streaming.py measures the real one.
 """
 
 from __future__ import annotations
