@@ -27,6 +27,7 @@ from llama_cachegen.errors import (
 from llama_cachegen.llama import (
     ENVELOPE_MAGIC,
     StateMeta,
+    capture_meta,
     capture_state,
     fingerprint_key,
     load_compressed_state,
@@ -386,3 +387,19 @@ def test_malformed_envelopes_reach_neither_the_context_nor_the_cache(tmp_path: P
         with pytest.raises(KeyError, match="unusable"):
             cache[tokens]
         assert not chunk_objects(cache)  # dropped
+
+
+def test_token_ids_outside_the_vocabulary_never_reach_the_context() -> None:
+    """A well-formed envelope (a store without a key) whose token ids are not the model's: they went
+    into llama-cpp-python's token list, which llama.cpp later reads unchecked (detokenize)."""
+    llm = smollm()
+    llm.eval(llm.tokenize(LONG_PROMPT.encode()))
+    meta = capture_meta(llm, None)
+    state = codec.decode(save_compressed_state(llm, level="lossless"))
+    before = capture_state(llm, None), llm.n_tokens
+    for bad in (llm.n_vocab(), -1, 2**31 - 1):
+        meta.tokens[3] = bad
+        blob = codec.encode(state, "lossless", kind="full_buffer", user_meta=meta.pack())
+        with pytest.raises(CorruptDataError, match="vocabulary"):
+            load_compressed_state(llm, blob)
+        assert (capture_state(llm, None), llm.n_tokens) == before

@@ -646,6 +646,11 @@ def restore_context(
     the next completion evaluates only what comes after `tokens`. `lossy` (exact_until, worst
     level): the state's K/V from that position on was decoded from a lossy level (lossy_level).
     `seed`: the saving context's sampling seed, taken as llama-cpp-python's load_state takes it."""
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= llm.n_vocab()):
+        # a forged token list (a store without a key): llama.cpp reads its ids unchecked later
+        raise CorruptDataError(
+            f"the state's token ids are not in this model's vocabulary [0, {llm.n_vocab()})"
+        )
     backup = _state_array(llm, target)
     # llama.cpp clears the target itself only for a state with cells: an empty one would leave
     # what the target held under the loaded (empty) token list
