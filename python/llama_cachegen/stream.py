@@ -189,7 +189,7 @@ class StreamReport(LoadReport):
     calibrate_ms: float = 0.0  # measuring prefill speed (once per process and model; in total_ms)
     compute_tps: float | None = None  # prefill tokens/s the choices used, at the first position
     compute_tps_end: float | None = None  # ... at the last (attention grows with the context)
-    expected_kl: float = 0.0  # token-weighted mean of kl_table over the chunks
+    expected_kl: float = 0.0  # token-weighted mean of kl_table over the chunks (ranks plans; runs low)
     kl_table: dict[str, float] = field(default_factory=dict)
 
     @property
