@@ -452,6 +452,57 @@ def test_a_lossy_whole_load_is_recorded_for_every_sequence_it_holds(
     assert lossy_level(other, 1, np.asarray(tokens, np.intc)) is None
 
 
+def test_a_missing_skeleton_costs_the_prefixes_ending_on_it_only(
+    gpl_tokens: list[int], tmp_path: Path
+) -> None:
+    """A context saved, grown and saved again: its first chunks name the first save's skeleton.
+    With that one gone, a load of the short prefix finds nothing and removes nothing (it removed
+    the chunks, which the long prefix, ending on a skeleton that is there, still needed)."""
+    writer = _llama(n_ctx=512)
+    tokens = gpl_tokens[:128]
+    writer.eval(tokens[:64])
+    chunks.save_chunked(writer, tmp_path / "short", levels=("balanced",), chunk_tokens=32)
+    store = stores.open_store(str(tmp_path))
+    (first,) = store.list(f"{PREFIX}skeletons/")
+    writer.eval(tokens[64:])
+    chunks.save_chunked(writer, tmp_path / "long", levels=("balanced",), chunk_tokens=32)
+    store.delete(first.key)
+    for _ in range(2):
+        assert chunks.load_prefix(_llama(n_ctx=512), tmp_path, tokens[:64], chunk_tokens=32).tokens == 0
+        assert chunks.load_prefix(_llama(n_ctx=512), tmp_path, tokens, chunk_tokens=32).tokens == 128
+    assert len(store.list(f"{PREFIX}chunks/")) == 4
+
+
+def test_lossy_kv_stays_lossy_through_a_lossless_container_and_without_tokens(
+    gpl_tokens: list[int], tmp_path: Path
+) -> None:
+    """K/V loaded at balanced and saved whole at lossless: the load of that container recorded the
+    context exact, and its lossless chunks held balanced K/V (the envelope now carries the saver's
+    record). A lossy state saved without token ids (a sequence's default) was recorded for no
+    tokens at all: held by none, so it was exact too (now: any tokens hold it)."""
+    from llama_cachegen.llama import lossy_level
+
+    tokens = gpl_tokens[:70]
+    src = _llama(n_ctx=512, n_seq_max=2)
+    src.eval(tokens)
+    mid = _llama(n_ctx=512, n_seq_max=2)
+    mid.load_compressed_state(src.save_compressed_state(level="balanced"))
+    dst = _llama(n_ctx=512, n_seq_max=2)
+    dst.load_compressed_state(mid.save_compressed_state(level="lossless"))
+    ids = np.asarray(tokens, np.intc)
+    assert lossy_level(dst, None, ids) == "balanced"
+    report = chunks.save_chunked(dst, tmp_path / "a", levels=("lossless",), chunk_tokens=64)
+    assert report.fallback and report.chunk_tokens is None
+    seq1 = src.save_compressed_state(level="balanced", seq_id=0, tokens=[])
+    dst.load_compressed_state(seq1, seq_id=1)
+    assert lossy_level(dst, 1, ids) == "balanced"
+    report = chunks.save_chunked(
+        dst, tmp_path / "b", levels=("lossless",), chunk_tokens=64, seq_id=1, tokens=tokens
+    )
+    assert report.fallback and report.chunk_tokens is None
+    assert not stores.open_store(str(tmp_path)).list(f"{PREFIX}chunks/")
+
+
 def test_chunks_whose_statistics_are_gone_are_removed_and_saved_again(
     gpl_tokens: list[int], tmp_path: Path
 ) -> None:

@@ -14,7 +14,6 @@ the fingerprint, so different models or KV layouts never meet.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 import weakref
@@ -200,8 +199,8 @@ class CompressedStateCache(BaseLlamaCache):
 
     def __getitem__(self, key: Sequence[int]) -> llama_cpp.llama.LlamaState:
         fingerprint = self._bound()
-        for attempt in itertools.count():
-            match = self._lookup(key)
+        match = self._lookup(key)
+        while True:  # a chunk that cannot be read (ChunkMissingError): the chunks before it
             if not match.chunks:
                 self.misses += 1
                 raise KeyError("no cached prefix")
@@ -211,11 +210,11 @@ class CompressedStateCache(BaseLlamaCache):
             try:
                 state, used = self._read(match, prefix, fingerprint)
                 break
-            except EntryNotFoundError as exc:  # evicted by another process since the lookup:
-                # what is left still serves (chunks naming what is gone are removed as found)
-                if not chunks.read_again(exc, attempt):
-                    self.misses += 1
-                    raise KeyError("cached prefix evicted meanwhile") from None
+            except chunks.ChunkMissingError as exc:  # evicted by another process since the lookup
+                match.cut(exc.index)
+            except EntryNotFoundError:  # a snapshot evicted since the lookup
+                self.misses += 1
+                raise KeyError("cached prefix evicted meanwhile") from None
             except (StoreError, NativeMemoryError, OSError) as exc:  # the store or memory failed,
                 # not the chunks (they were dropped too, on a timeout): a miss that keeps them
                 _log.warning("prompt cache: hit not read, a miss: %s", exc)
@@ -264,7 +263,7 @@ class CompressedStateCache(BaseLlamaCache):
         if codec.inspect(skeleton)["kind"] != "full_buffer":
             raise InvalidArgumentError("the chunks' skeleton is not a whole-context state")
         support = [chunks._stats_key(i) for i in reader.stats_ids]
-        support.append(chunks._skeleton_key(chunks._sha256(skeleton)))
+        support += [chunks._skeleton_key(i) for i in sorted(reader.skeleton_ids)]
         self._hit_support = (prefix, support)
         return state, [*(chunks._chunk_key(k, self.level) for k in reversed(match.keys)), *support]
 

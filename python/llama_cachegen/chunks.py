@@ -23,7 +23,6 @@ compares them, and refuses anything that does not match before the context is to
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import re
@@ -66,6 +65,7 @@ from .llama import (
     room_message,
     seq_room,
     token_ids,
+    worse_load,
 )
 
 FORMAT_VERSION = codec.version()[1]
@@ -596,6 +596,7 @@ class _ChunkReader:
         self.keys, self.candidates = keys, candidates
         self.ranges = chunk_ranges(len(tokens), chunk_tokens)
         self._stats: dict[str, codec.Stats] = {}
+        self.skeleton_ids: set[str] = set()  # named by the chunks fetched so far
         self.bytes_read = 0
         self._thread_bytes: dict[int, int] = {}  # bytes_read per reading thread
 
@@ -674,6 +675,7 @@ class _ChunkReader:
                 raise
             except CorruptDataError as exc:
                 raise self.discard_damaged(exc, _chunk_key(self.keys[i], level), chunk)  # noqa: B904
+            self.skeleton_ids.add(meta.skeleton_id)
             if meta.stats_id not in self._stats:
                 try:
                     data = self.get_verified(_stats_key(meta.stats_id), meta.stats_id, "statistics")
@@ -687,8 +689,8 @@ class _ChunkReader:
             self.candidates[i] if levels is None else levels
         )
         if orphaned:
-            raise _OrphanRemoved(f"{message} (one that named statistics the store lacks was removed)")
-        raise EntryNotFoundError(message)
+            message += " (one that named statistics the store lacks was removed)"
+        raise ChunkMissingError(message, i)
 
     def _check(self, i: int, level: str, chunk: bytes) -> ChunkMeta:
         meta = ChunkMeta.unpack(codec.user_meta(chunk))  # checksum-verified by the native library
@@ -713,19 +715,13 @@ class _ChunkReader:
         return meta
 
 
-class _OrphanRemoved(EntryNotFoundError):
-    """An object a chunk names was missing, and the chunk was removed: a lookup again finds what
-    is left (the chunks of one save name the same statistics: one is found, and removed, per read)."""
+class ChunkMissingError(EntryNotFoundError):
+    """Chunk `index` of a prefix cannot be read (gone since the lookup, or it names statistics or,
+    as the prefix's last, a skeleton that are gone): the chunks before it may still serve."""
 
-
-_READ_ATTEMPTS = 64
-
-
-def read_again(exc: EntryNotFoundError, attempt: int) -> bool:
-    """Whether a read of a prefix that found an object missing (attempt 0, 1, ...) is worth a
-    lookup again: once (evicted since the lookup), then while each read removes a chunk that names
-    what is gone (at most _READ_ATTEMPTS reads)."""
-    return attempt == 0 or (isinstance(exc, _OrphanRemoved) and attempt + 1 < _READ_ATTEMPTS)
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> int:
@@ -758,11 +754,11 @@ def _assemble(
     try:
         skeleton = reader.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton")
     except EntryNotFoundError as exc:
-        # the last chunk named it: the chain cannot end there until that chunk is written again
-        key = _chunk_key(reader.keys[-1], ready[0].level) if ready else None
-        if key is not None and reader.discard_orphan(key, ready[0].chunk, _skeleton_key(skeleton_id)):
-            raise _OrphanRemoved(f"{exc} ({key}, which named it, was removed)") from exc
-        raise
+        if not ready:
+            raise
+        # the last chunk named it: the prefix cannot end there (the chunk is kept: a longer
+        # prefix through it ends at a chunk naming a skeleton that may be there)
+        raise ChunkMissingError(f"{exc}, named by the last chunk", len(reader.keys) - 1) from exc
     n_pos = len(reader.tokens)
     bound = _state_bound(reader.fingerprint, n_pos, skeleton)
     state = codec.skeleton_state(skeleton, n_pos, max_size=bound, alloc=codec.empty_buffer)
@@ -808,13 +804,6 @@ def _damaged_in(
         except CorruptDataError as alone:
             return reader.discard_damaged(alone, _chunk_key(got.meta.key, got.level), got.chunk)
     return exc
-
-
-def worse_load(lossy: tuple[int, str] | None, begin: int, level: str) -> tuple[int, str]:
-    """`lossy` (first position of lossy K/V, worst level) after a chunk at `begin` of `level`."""
-    if lossy is None:
-        return begin, level
-    return min(lossy[0], begin), level if better_level(lossy[1], level) else lossy[1]
 
 
 def _candidates(sizes: dict[str, Any], level: str | int | None, index: int) -> tuple[str, ...]:
@@ -937,6 +926,12 @@ class PrefixMatch:
     keys: list[str]
     levels: list[tuple[str, ...]]  # per chunk the levels stored, best first
 
+    def cut(self, chunks: int) -> None:
+        """Keeps the first `chunks` chunks."""
+        self.chunks = min(self.chunks, chunks)
+        self.positions = min(self.positions, self.chunks * self.chunk_tokens)
+        del self.keys[self.chunks :], self.levels[self.chunks :]
+
 
 def longest_prefix(
     store_url: str | Path,
@@ -988,12 +983,10 @@ def load_prefix(
     query = token_ids(llm, tokens)
     fingerprint = model_fingerprint(llm)
     with stores.open_store(str(store_url)) as store:
-        for attempt in itertools.count():  # objects gone since the lookup: read_again
-            match = _match(store, fingerprint, query, chunk_tokens)
-            if level is not None:  # the prefix ends at the first chunk without that level
-                match.chunks = next((i for i, lv in enumerate(match.levels) if level not in lv), match.chunks)
-                match.positions = min(match.chunks * chunk_tokens, int(query.size))
-                del match.keys[match.chunks :], match.levels[match.chunks :]
+        match = _match(store, fingerprint, query, chunk_tokens)
+        if level is not None:  # the prefix ends at the first chunk without that level
+            match.cut(next((i for i, lv in enumerate(match.levels) if level not in lv), match.chunks))
+        while True:  # a chunk that cannot be read (ChunkMissingError): the chunks before it
             if not match.chunks:
                 elapsed = (time.perf_counter() - t0) * 1e3
                 extra = {"chunks": 0, "match": match}
@@ -1006,9 +999,8 @@ def load_prefix(
             try:
                 state, skeleton, figures = _assemble(reader, None, threads)
                 break
-            except EntryNotFoundError as exc:
-                if not read_again(exc, attempt):
-                    raise
+            except ChunkMissingError as exc:
+                match.cut(exc.index)
     target = _target("all" if codec.inspect(skeleton)["kind"] == "full_buffer" else "seq", seq_id)
     t2 = time.perf_counter()
     restore_context(llm, state, target, prefix, None, figures["lossy"])

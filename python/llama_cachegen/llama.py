@@ -103,6 +103,9 @@ class StateMeta:
     tokens: np.ndarray  # int32 token ids, may be empty when unknown
     logits: np.ndarray | None = None  # float32 [n_vocab]: logits after the last token
     seed: int | None = None
+    # (exact_until, level): the saver held K/V decoded from `level` from that position on
+    # (lossy_record): a lossless container of it is no exact K/V of its tokens
+    lossy: tuple[int, str] | None = None
 
     def pack(self) -> bytes:
         tokens = np.ascontiguousarray(self.tokens, dtype="<i4")
@@ -116,6 +119,8 @@ class StateMeta:
             "n_logits": int(logits.size),
             "seed": self.seed,
         }
+        if self.lossy is not None:  # absent otherwise: envelopes without it stay as they were
+            header["lossy"] = list(self.lossy)
         return envelope.pack(ENVELOPE_MAGIC, ENVELOPE_VERSION, header, tokens, logits)
 
     @classmethod
@@ -125,7 +130,20 @@ class StateMeta:
         n_tokens, n_logits = header.get("n_tokens"), header.get("n_logits")
         n_ctx, seq_id, seed = header.get("n_ctx"), header.get("seq_id"), header.get("seed")
         fingerprint, scope = header.get("fingerprint"), header.get("scope")
+        lossy = header.get("lossy")
         _check(scope in ("all", "seq"), "scope")
+        _check(
+            lossy is None
+            or (
+                isinstance(lossy, list)
+                and len(lossy) == 2
+                and envelope.is_int(lossy[0])
+                and lossy[0] >= 0
+                and lossy[1] in codec.LEVEL_ORDER
+                and lossy[1] != "lossless"
+            ),
+            "lossy",
+        )
         _check(envelope.is_int(n_tokens) and 0 <= n_tokens <= _MAX_ENVELOPE_TOKENS, "n_tokens")
         _check(envelope.is_int(n_logits) and 0 <= n_logits <= _MAX_ENVELOPE_TOKENS, "n_logits")
         _check(envelope.is_int(n_ctx) and n_ctx >= 0, "n_ctx")
@@ -148,6 +166,7 @@ class StateMeta:
             tokens=tokens,
             logits=logits.astype(np.single) if n_logits else None,
             seed=seed,
+            lossy=None if lossy is None else (int(lossy[0]), str(lossy[1])),
         )
 
 
@@ -484,6 +503,7 @@ def capture_meta(llm: llama_cpp.Llama, seq_id: int | None, tokens: Sequence[int]
         tokens=tokens,
         logits=_last_logits(llm) if own and len(tokens) == llm.n_tokens else None,
         seed=getattr(llm, "_seed", None),
+        lossy=lossy_record(llm, seq_id, tokens),
     )
 
 
@@ -568,7 +588,9 @@ def load_compressed_state(
     state = codec.empty_buffer(codec.decoded_size(blob))
     codec.decode_into(blob, state, threads=threads)
     t2 = time.perf_counter()
-    lossy = None if info["level"] == "lossless" else (0, info["level"])
+    lossy = meta.lossy  # a lossless container of K/V its saver had loaded lossy is that K/V
+    if info["level"] != "lossless":
+        lossy = worse_load(lossy, 0, info["level"])
     restore_context(llm, state, target, meta.tokens, meta.logits, lossy, meta.seed)
     own = target in (None, 0)
     t3 = time.perf_counter()
@@ -617,8 +639,23 @@ def lossy_level(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) ->
     they hold none. A chunk of them stored under its tokens' keys at a better level would pass for
     the exact K/V of those tokens. (Tokens evaluated again from scratch after `reset()` still
     count: the record follows the tokens, not llama.cpp's cells.)"""
+    record = lossy_record(llm, target, tokens)
+    return None if record is None else record[1]
+
+
+def lossy_record(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) -> tuple[int, str] | None:
+    """lossy_level with the first position of that K/V: (exact_until, level), or None."""
     record = _lossy_loads.get(llm, {}).get(target or 0)
-    return record.level if record is not None and record.held_by(tokens) else None
+    if record is None or not record.held_by(tokens):
+        return None
+    return max(0, record.exact_until), record.level
+
+
+def worse_load(lossy: tuple[int, str] | None, begin: int, level: str) -> tuple[int, str]:
+    """`lossy` (first position of lossy K/V, worst level) after K/V of `level` from `begin` on."""
+    if lossy is None:
+        return begin, level
+    return min(lossy[0], begin), level if better_level(lossy[1], level) else lossy[1]
 
 
 def lossy_level_anywhere(tokens: np.ndarray) -> str | None:
@@ -680,6 +717,8 @@ def record_load(
     """Notes that the context (or sequence `target`) now holds the K/V of `tokens`, decoded from
     a lossy level from position lossy[0] on (lossy_level), or exact (lossy None)."""
     records = _lossy_loads.setdefault(llm, {})
+    if lossy is not None and not len(tokens):  # tokens unknown: any tokens hold it
+        lossy = (-1, lossy[1])
     if target is not None:
         records.pop(target, None)
         if lossy is not None:

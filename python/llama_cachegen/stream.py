@@ -109,6 +109,7 @@ from .llama import (
     restore_context,
     restore_state,
     set_tokens,
+    worse_load,
 )
 
 TEXT = "text"
@@ -1578,7 +1579,7 @@ def load_streaming(
                 lossy = None
                 for rec in loader.records:
                     if rec.level not in (TEXT, "lossless"):
-                        lossy = chunks.worse_load(lossy, rec.begin, rec.level)
+                        lossy = worse_load(lossy, rec.begin, rec.level)
                 restore_context(llm, loader.state, target, tokens, m.meta.logits, lossy, m.meta.seed)
             else:
                 set_tokens(llm, target, tokens, m.meta.logits, m.meta.seed)

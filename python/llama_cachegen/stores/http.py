@@ -34,7 +34,7 @@ from typing import Any
 import urllib3
 from aiohttp import web
 
-from ..errors import CacheGenError, EntryNotFoundError, InvalidArgumentError, StoreError
+from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
 from . import AuthKey, EntryInfo, Store, check_key, is_key
 from .file import FileStore, PendingWrite
 
@@ -315,8 +315,8 @@ class _Server:
             while True:
                 try:
                     await self._run(self.store.sweep)
-                except (OSError, CacheGenError) as exc:
-                    logging.getLogger("llama_cachegen.serve").warning("sweep failed: %s", exc)
+                except Exception:  # logged; the next round tries again
+                    logging.getLogger("llama_cachegen.serve").exception("sweep failed")
                 await asyncio.sleep(SWEEP_EVERY_S)
 
         task = asyncio.create_task(sweep_forever())
