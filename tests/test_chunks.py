@@ -501,6 +501,11 @@ def test_lossy_kv_stays_lossy_through_a_lossless_container_and_without_tokens(
     )
     assert report.fallback and report.chunk_tokens is None
     assert not stores.open_store(str(tmp_path)).list(f"{PREFIX}chunks/")
+    # a lossless container, without token ids, of a sequence loaded balanced with them
+    dst.load_compressed_state(src.save_compressed_state(level="balanced", seq_id=0), seq_id=1)
+    other = _llama(n_ctx=512, n_seq_max=2)
+    other.load_compressed_state(dst.save_compressed_state(level="lossless", seq_id=1, tokens=[]), seq_id=1)
+    assert lossy_level(other, 1, ids) == "balanced"
 
 
 def test_chunks_whose_statistics_are_gone_are_removed_and_saved_again(

@@ -644,9 +644,10 @@ def lossy_level(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) ->
 
 
 def lossy_record(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) -> tuple[int, str] | None:
-    """lossy_level with the first position of that K/V: (exact_until, level), or None."""
+    """lossy_level with the first position of that K/V: (exact_until, level), or None. No tokens
+    (a state saved without them) tell nothing: any record of the target counts."""
     record = _lossy_loads.get(llm, {}).get(target or 0)
-    if record is None or not record.held_by(tokens):
+    if record is None or (len(tokens) and not record.held_by(tokens)):
         return None
     return max(0, record.exact_until), record.level
 
