@@ -157,9 +157,7 @@ class Bench:
         for level in LEVELS:
             log(f"quality of {level}")
             chunks.load_chunked(q, self.url, level=level)
-            q.eval(self.cont)
-            test = np.array(q.scores[a.tokens : a.tokens + CONT_TOKENS], dtype=np.float64)
-            self.kl[level] = compare_logits(self.ref, test, self.cont)["kl"]
+            self.kl[level] = self.continuation_kl()
         self.kl["lossless"] = 0.0 if self.kl["lossless"] < 1e-9 else self.kl["lossless"]
         self.kl_table = {stream.TEXT: 0.0, **{lv: self.kl[lv] for lv in LEVELS}}
         # one token's decode after a load: the same for every method
@@ -181,9 +179,14 @@ class Bench:
         """The KL of the state a load left in self.llm, measured as each level's is: a mix's is not
         the token-weighted mean of its levels' (one lossy chunk among lossless ones already costs
         about the model's noise floor: up to 3x that estimate, report.expected_kl)."""
-        q, n = self.qllm, self.args.tokens
+        q = self.qllm
         require(restore_state(q, capture_state(self.llm, None), None), "llama.cpp refused the state")
-        q.n_tokens = n
+        q.n_tokens = self.args.tokens
+        return self.continuation_kl()
+
+    def continuation_kl(self) -> float:
+        """KL against the reference over the continuation, evaluated on what self.qllm holds."""
+        q, n = self.qllm, self.args.tokens
         q.eval(self.cont)
         test = np.array(q.scores[n : n + CONT_TOKENS], dtype=np.float64)
         return compare_logits(self.ref, test, self.cont)["kl"]

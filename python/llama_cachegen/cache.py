@@ -176,9 +176,7 @@ class CompressedStateCache(BaseLlamaCache):
             return self._match_snapshot(tokens)
         room = tokens.size if self._n_ctx is None else min(tokens.size, self._n_ctx)
         match = chunks._match(self.store, fingerprint, tokens[: room // c * c], c)
-        match.chunks = next((i for i, lv in enumerate(match.levels) if self.level not in lv), match.chunks)
-        del match.keys[match.chunks :], match.levels[match.chunks :]
-        match.positions = match.chunks * c
+        match.cut(next((i for i, lv in enumerate(match.levels) if self.level not in lv), match.chunks))
         return match
 
     def _lookup(self, key: Sequence[int]) -> chunks.PrefixMatch:

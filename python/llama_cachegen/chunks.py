@@ -986,13 +986,13 @@ def load_prefix(
         match = _match(store, fingerprint, query, chunk_tokens)
         if level is not None:  # the prefix ends at the first chunk without that level
             match.cut(next((i for i, lv in enumerate(match.levels) if level not in lv), match.chunks))
+        _check_room(llm, match.positions)  # a cut below only shortens the prefix
         while True:  # a chunk that cannot be read (ChunkMissingError): the chunks before it
             if not match.chunks:
                 elapsed = (time.perf_counter() - t0) * 1e3
                 extra = {"chunks": 0, "match": match}
                 return LoadReport(0, 0, 0, 0, 0.0, elapsed, 0.0, 0.0, seq_id, extra=extra)
             prefix = query[: match.positions]
-            _check_room(llm, match.positions)
             candidates = [(level,) if level else lv for lv in match.levels]
             reader = _ChunkReader(store, fingerprint, prefix, chunk_tokens, match.keys, candidates)
             t1 = time.perf_counter()

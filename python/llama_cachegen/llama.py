@@ -470,10 +470,14 @@ def token_ids(llm: llama_cpp.Llama, tokens: Sequence[int] | np.ndarray) -> np.nd
         raise InvalidArgumentError(
             f"token ids must be a flat sequence of integers, not {ids.dtype} values of shape {ids.shape}"
         )
-    n_vocab = llm.n_vocab()
-    if int(ids.min()) < 0 or int(ids.max()) >= n_vocab:
-        raise InvalidArgumentError(f"token ids must lie in [0, {n_vocab}) for this model")
+    if _outside_vocabulary(llm, ids):
+        raise InvalidArgumentError(f"token ids must lie in [0, {llm.n_vocab()}) for this model")
     return ids.astype(np.intc)
+
+
+def _outside_vocabulary(llm: llama_cpp.Llama, ids: np.ndarray) -> bool:
+    """Whether any of the integer `ids` is no token of the model."""
+    return ids.size > 0 and (int(ids.min()) < 0 or int(ids.max()) >= llm.n_vocab())
 
 
 def capture_meta(llm: llama_cpp.Llama, seq_id: int | None, tokens: Sequence[int] | None = None) -> StateMeta:
@@ -664,7 +668,9 @@ def lossy_level_anywhere(tokens: np.ndarray) -> str | None:
     (a prompt cache): the worst level any of them holds for these tokens (another context that
     loaded the same tokens lossy counts too: a caution, never a wrong answer)."""
     records = [r for per_target in list(_lossy_loads.values()) for r in list(per_target.values())]
-    records = [r for r in records if r.exact_until >= 0]  # a whole load's other sequences: unknown tokens
+    # records of unknown tokens (a whole load's other sequences, a state saved without token ids)
+    # would hold every token list: this caution serves callers that do not name their context
+    records = [r for r in records if r.exact_until >= 0]
     return max((r.level for r in records if r.held_by(tokens)), key=codec.LEVEL_ORDER.index, default=None)
 
 
@@ -684,7 +690,7 @@ def restore_context(
     the next completion evaluates only what comes after `tokens`. `lossy` (exact_until, worst
     level): the state's K/V from that position on was decoded from a lossy level (lossy_level).
     `seed`: the saving context's sampling seed, taken as llama-cpp-python's load_state takes it."""
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= llm.n_vocab()):
+    if _outside_vocabulary(llm, tokens):
         # a forged token list (a store without a key): llama.cpp reads its ids unchecked later
         raise CorruptDataError(
             f"the state's token ids are not in this model's vocabulary [0, {llm.n_vocab()})"

@@ -232,15 +232,15 @@ class FileStore(Store):
     def begin_write(self, key: str) -> PendingWrite:
         """A PendingWrite for `key` (folders created as needed); StoreError when a folder of the
         key is a file or a link, or the key names a folder or a link."""
-        for attempt in range(1, _FOLDER_ATTEMPTS + 1):
+        gone = FileNotFoundError()
+        for _ in range(_FOLDER_ATTEMPTS):
             try:
                 return self._begin_write(key)
             except FileNotFoundError as exc:  # a delete emptied a folder of the key and removed it
-                if attempt == _FOLDER_ATTEMPTS:  # between its creation here and the temporary's
-                    raise self._failure("write", key, exc) from exc
+                gone = exc  # between its creation here and the temporary's: once more
             except OSError as exc:
                 raise self._failure("write", key, exc) from exc
-        raise AssertionError("unreachable")
+        raise self._failure("write", key, gone) from gone
 
     def _begin_write(self, key: str) -> PendingWrite:
         fd = self._open_folder(key, create=True)
