@@ -360,6 +360,10 @@ MALFORMED = {
     "missing n_ctx": _envelope({k: v for k, v in _GOOD.items() if k != "n_ctx"}, b"\0" * 4),
     "negative seq_id": _envelope({**_GOOD, "seq_id": -2}, b"\0" * 4),
     "string seed": _envelope({**_GOOD, "seed": "x"}, b"\0" * 4),
+    "lossy not a pair": _envelope({**_GOOD, "lossy": "balanced"}, b"\0" * 4),
+    "lossy lossless": _envelope({**_GOOD, "lossy": [0, "lossless"]}, b"\0" * 4),
+    "lossy unknown level": _envelope({**_GOOD, "lossy": [0, "best"]}, b"\0" * 4),
+    "lossy negative position": _envelope({**_GOOD, "lossy": [-1, "balanced"]}, b"\0" * 4),
     "short arrays": _envelope(_GOOD, b"\0" * 3),
     "header overrun": struct.pack("<4sII", ENVELOPE_MAGIC, 1, 1 << 30) + b"{}",
 }
