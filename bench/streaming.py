@@ -8,9 +8,9 @@ token-bucket relay on 127.0.0.1 (llama_cachegen.shaper) whose rate follows a tra
 relative to this machine's break-even bandwidth BE = balanced bytes per token x prefill tokens/s
 (the rate at which fetching balanced takes as long as computing the context). Methods: text only
 (prefill, no link), raw f16 state fetch, each fixed level (the streaming pipeline without
-adaptation), adaptive (measured throughput; no prior: the first chunk's level from the skeleton's
-fetch) and adaptive with an oracle (the relay's trace). TTFT = time to a loaded context + one token's decode
-(measured once). A fixed method whose transfer alone would exceed the cap (1.5 x the largest SLO;
+adaptation), adaptive (measured throughput; no prior: the first chunk at the smallest level, the
+skeleton's fetch the first estimate) and adaptive with an oracle (the relay's trace). TTFT = time
+to a loaded context + one token's decode (measured once). A fixed method whose transfer alone would exceed the cap (1.5 x the largest SLO;
 3 x on the constant trace the decode hiding is measured on) on a trace is not run there and counts
 as a miss. Quality: mean KL over a teacher-forced continuation, per level measured once, and for
 every adaptive and oracle load on the state it loaded (a mix's KL is not its levels' weighted by

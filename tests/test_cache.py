@@ -189,15 +189,25 @@ def test_a_cache_smaller_than_a_prompt_keeps_its_first_chunks(
         assert cache._match(tokens).chunks == 1
 
 
-def test_eviction_keeps_what_the_kept_chunks_of_an_extended_context_name(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["file", "http"])
+def test_eviction_keeps_what_the_kept_chunks_of_an_extended_context_name(
+    tmp_path: Path, kind: str, request: pytest.FixtureRequest
+) -> None:
     """Hit, extend, save: the chunks stored before name the statistics and skeleton of their own
     save, which the new save does not write. Marked only at the hit, they were older than the
     whole chain, so the next eviction took them first and every hit through those chunks failed
-    (and dropped them): now the save marks them after the chain, and the chain's tail goes first."""
+    (and dropped them): now the save marks them after the chain, and the chain's tail goes first.
+    On an HTTP store too, where the server marked entries only as it served them (in the order a
+    hit reads: the chain's last chunk first)."""
     llm = smollm()
     words = sample_text("gpl-3.0.txt").split()
     tokens = llm.tokenize(" ".join(words[:80]).encode())[: 4 * C + 3]
-    cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)
+    url = (
+        tmp_path.as_uri()
+        if kind == "file"
+        else f"{request.getfixturevalue('http_server')[0]}/{tmp_path.name}"
+    )
+    cache = CompressedStateCache(url, level="lossless", chunk_tokens=C, model=llm)
     llm.eval(tokens[: 2 * C + 3])
     cache[tokens[: 2 * C + 3]] = llm.save_state()
     llm.eval(tokens[2 * C + 3 :])

@@ -22,7 +22,7 @@ from conftest import DEAD_WRITER, free_port, wait_port
 from llama_cachegen.errors import AuthenticationError, EntryNotFoundError, InvalidArgumentError, StoreError
 from llama_cachegen.stores import KEY_ENV, TAG_MAGIC, Store, open_store, read_url, write_url
 from llama_cachegen.stores.file import FileStore
-from llama_cachegen.stores.http import TOKEN_ENV
+from llama_cachegen.stores.http import MAX_MARK_BODY, TOKEN_ENV
 
 
 @pytest.fixture(params=["file", "redis", "http"])
@@ -51,12 +51,12 @@ def test_put_get_list_touch_delete(store: Store) -> None:
     assert set(listed) == {"a/one.bin", "a/two.bin"}
     assert listed["a/two.bin"].size == 6000
     assert {e.key for e in store.list()} == {"a/one.bin", "a/two.bin", "b.bin"}
-    before = listed["a/one.bin"].mtime
+    before = max(e.mtime for e in listed.values())
     time.sleep(0.02)
-    store.get("a/one.bin")  # the HTTP server marks an entry used on GET, the others on touch
-    store.touch("a/one.bin")
-    store.touch("a/missing.bin")
-    assert {e.key: e for e in store.list("a/")}["a/one.bin"].mtime > before
+    store.mark_used(["a/one.bin", "a/missing.bin", "a/two.bin"])  # a missing key is passed over
+    marked = {e.key: e.mtime for e in store.list("a/")}
+    assert before < marked["a/one.bin"] < marked["a/two.bin"]  # in that order, a microsecond apart
+    store.mark_used([])
     assert store.delete("a/one.bin") and not store.delete("a/one.bin")
     with pytest.raises(EntryNotFoundError):
         store.get("a/one.bin")
@@ -254,6 +254,7 @@ def test_token_guards_writes_deletes_and_listings(token_server: tuple[str, Path]
             lambda: anon.put("t/two.bin", b"2"),
             lambda: anon.delete("t/one.bin"),
             lambda: anon.list(),
+            lambda: anon.mark_used(["t/one.bin"]),
         ):
             with pytest.raises(StoreError, match="401.*needs a token"):
                 call()
@@ -312,8 +313,20 @@ _SMUGGLED = b"DELETE /victim.lcg HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3
         b"PUT /a.bin HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(_SMUGGLED),
         b"PUT /a.bin HTTP/1.1\r\n" + _AUTH + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"4\r\nabcd\r\n0\r\n\r\n",
+        b"POST / HTTP/1.1\r\n" + _AUTH + b"Content-Length: %d\r\n\r\n" % (MAX_MARK_BODY + 1),
+        b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(_SMUGGLED),
+        b"POST /a.bin HTTP/1.1\r\n" + _AUTH + b"Content-Length: %d\r\n\r\n" % len(_SMUGGLED),
     ],
-    ids=["8GiB-declared", "over-max-body", "no-length", "no-token", "chunked-and-length"],
+    ids=[
+        "8GiB-declared",
+        "over-max-body",
+        "no-length",
+        "no-token",
+        "chunked-and-length",
+        "mark-over-max",
+        "mark-no-token",
+        "mark-not-a-folder",
+    ],
 )
 def test_refused_bodies_are_never_executed(token_server: tuple[str, Path], head: bytes) -> None:
     """A refused upload's body (here: a DELETE of another file) is not parsed as a request."""
@@ -321,7 +334,7 @@ def test_refused_bodies_are_never_executed(token_server: tuple[str, Path], head:
     (root / "victim.lcg").write_bytes(b"victim")
     answer = _exchange(int(base.rsplit(":", 1)[1]), head + _SMUGGLED)
     status = answer.split(b"\r\n", 1)[0]
-    assert status.split()[1] in (b"400", b"401", b"411", b"413"), answer[:200]
+    assert status.split()[1] in (b"400", b"401", b"405", b"411", b"413"), answer[:200]
     assert answer.count(b"HTTP/1.") == 1  # one reply: the body never became a second request
     assert (root / "victim.lcg").read_bytes() == b"victim" and not (root / "a.bin").exists()
 
@@ -390,6 +403,14 @@ def test_folders_files_and_links_are_4xx_not_tracebacks(
             store.put("links/file", b"x")
         assert not store.delete("links/file") and not store.exists("links/file")
         assert "links/file" not in {e.key for e in store.list()}
+        before = (outside / "secret.txt").stat().st_mtime_ns
+        store.mark_used(["links/file", "links/out/secret.txt", "dir", "dir/file.bin"])  # passed over
+        assert (outside / "secret.txt").stat().st_mtime_ns == before
+        port = int(base.rsplit(":", 1)[1])
+        head = b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+        for body in (b"[", b'{"mark_used": "dir/file.bin"}', b'{"mark_used": ["../x"]}', b"{}"):
+            answer = _exchange(port, head % len(body) + body)
+            assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
         assert store.get("dir/file.bin") == b"f"  # the server still answers
     assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
     assert (outside / "secret.txt").read_bytes() == b"secret"

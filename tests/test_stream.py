@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import llama_cpp
@@ -146,7 +147,8 @@ def test_slow_link_takes_lower_levels(relay: tuple[Relay, str], loader: Llama) -
     slo = 4.0
     report = stream.load_streaming(loader, url, slo_s=slo, compute_tps=20.0)
     levels = [rec.level for rec in report.records]
-    assert report.records[-1].reason == "first"  # fetched first (from the back), on the skeleton's rate
+    first = report.records[-1]  # fetched first (from the back): nothing measured but the skeleton
+    assert first.reason == "first" and (first.upgraded_from or first.level) == "compact"
     assert "compact" in levels and levels.count("lossless") < CHUNKS and stream.TEXT not in levels
     manifest = chunks.read_manifest(url)
     lossless = sum(e.sizes["lossless"] for e in manifest.chunks)
@@ -262,27 +264,40 @@ def test_chunks_fetched_low_are_fetched_again_better_while_time_is_left(
     _continues(loader, original)
 
 
-def test_a_new_chunk_is_not_fetched_better_than_an_upgrade_is_worth(
-    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
-) -> None:
-    """High, balanced and compact stored; a 0.1 Mbit/s prior makes the first chunk compact, the
-    link turns out fast. While that chunk is compact, fetching it again at balanced gains more KL
-    per byte than high gains over balanced on a new chunk: the others come at balanced. With
-    every chunk in and time left, all are fetched again at high. The KL figures are a model's where
-    compact costs far more than balanced (SmolLM2's with compact at twice q4_0's error): with the
-    default table compact is close enough to balanced that new chunks come at high directly."""
-    _, url = relay
-    three_url = url + "-three-levels"
-    chunks.save_chunked(original["llm"], three_url, levels=("high", "balanced", "compact"), chunk_tokens=C)
-    kl_table = {**stream.LEVEL_KL, "high": 0.0034, "balanced": 0.0062, "compact": 0.0217}
-    report = stream.load_streaming(
-        loader, three_url, slo_s=60.0, prior_mbps=0.1, text_fallback=False, kl_table=kl_table
-    )
-    assert [(r.upgraded_from, r.level) for r in report.records] == [("compact", "high")] + [
-        ("balanced", "high")
-    ] * (CHUNKS - 1)
-    assert report.failures == [] and math.isclose(report.expected_kl, kl_table["high"])
-    assert greedy(loader, original["prefix"])  # a complete context that generates
+# what the planner's choices rest on, for SmolLM2 in 128-token chunks: bytes per level, and a KL
+# table where compact costs far more than balanced (compact at twice q4_0's error)
+_SIZES = {"high": 1_366_000, "balanced": 722_000, "compact": 630_000}
+_KL3 = {**stream.LEVEL_KL, "high": 0.0034, "balanced": 0.0062, "compact": 0.0217}
+
+
+def _planner(plan: list[str | None], slo_s: float, mbps: float) -> stream._Loader:
+    """A loader's planning state alone (no store, no model, no clock but perf_counter): chunks of
+    128 tokens at _SIZES, `plan[i]` the level chunk i is in the buffer at (None: undecided), a
+    link whose rate is known (oracle), decode and restore free, no text fallback."""
+    loader = object.__new__(stream._Loader)
+    n = len(plan)
+    loader.m = SimpleNamespace(chunks=[SimpleNamespace(sizes=dict(_SIZES)) for _ in range(n)])
+    loader.ranges = [(128 * i, 128 * (i + 1)) for i in range(n)]
+    loader.levels = [list(_SIZES)] * n
+    loader.plan, loader.done = list(plan), [p is not None for p in plan]
+    loader.jobs, loader.kept, loader.computing, loader.current = {}, set(), None, None
+    loader.adapt, loader.both, loader.cpu_free = False, False, 0.0
+    loader.kl, loader.decode_s_per_byte, loader.state = _KL3, {}, None
+    loader.oracle = lambda nbytes: nbytes * 8 / (mbps * 1e6)
+    loader.slo_s, loader.t0 = slo_s, time.perf_counter()
+    return loader
+
+
+def test_a_new_chunk_is_not_fetched_better_than_an_upgrade_is_worth_when_time_is_short() -> None:
+    """Chunk 0 in the buffer at compact (a slow start), four to fetch, 16 Mbit/s. While chunk 0 is
+    compact, fetching it again at balanced gains more KL per byte than high gains over balanced on
+    a new chunk: where the time left holds the plan (four at high) but not that upgrade after it,
+    the new chunk comes at balanced; where it holds both, at high (the upgrade follows)."""
+    for slo_s, expected in ((3.4, "balanced"), (60.0, "high")):  # 2.9 s to plan in: 2.7 + 0.4 s
+        loader = _planner(["compact", None, None, None, None], slo_s, 16.0)
+        plan = loader._best(loader._undecided(), time.perf_counter())
+        assert plan is not None and plan.feasible and plan.level == "high"  # 4 x 1.37 MB: 2.7 s
+        assert loader._capped(4, plan, time.perf_counter()) == expected, slo_s
 
 
 def test_time_to_spare_is_not_spent_computing_what_the_best_level_brings(
@@ -305,12 +320,13 @@ def test_time_to_spare_is_not_spent_computing_what_the_best_level_brings(
 def test_an_idle_cpu_computes_chunks_below_the_best_level_again(
     relay: tuple[Relay, str], loader: Llama, original: dict[str, Any]
 ) -> None:
-    """Lossless and compact stored, a 0.1 Mbit/s prior: the link's first fetch, the last chunk,
-    comes compact; the link turns out fast and brings the others lossless while the CPU computes
-    from the front. Once every chunk is in the buffer the CPU, idle, computes the compact chunk
-    again (every chunk before it exact): the context ends exact."""
-    _, url = relay
-    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=0.1)
+    """Lossless and compact stored, a 4 Mbit/s link: the link's first fetch, the last chunk,
+    comes compact (nothing measured yet); the others come lossless or are computed. Once every
+    chunk is in the buffer the CPU, idle, computes the compact chunk again (every chunk before it
+    exact), sooner than the link would bring it lossless (1.7 MB, ~3.5 s): the context ends exact."""
+    r, url = relay
+    r.set_trace(Trace.constant(mbit(4)))
+    report = stream.load_streaming(loader, url, slo_s=60.0)
     last = report.records[-1]
     assert (last.upgraded_from, last.level) == ("compact", stream.TEXT) and last.compute_ms > 0
     assert all(r.level in ("lossless", stream.TEXT) for r in report.records) and report.expected_kl == 0.0
@@ -741,6 +757,23 @@ def test_prefill_speed_learns_the_slope_and_a_change_of_pace() -> None:
         flat.learn(int(p), int(p) + 32, 0.032 * (1 + 0.2 * rng.standard_normal()))
         assert flat.c >= 0 and flat.seconds(0, 32) > 0
     assert flat.seconds(1968, 2000) == pytest.approx(0.032, rel=0.15)
+
+
+def test_plans_that_miss_rank_by_their_end_then_by_the_smaller_fetch() -> None:
+    """Among plans that miss the deadline and end alike (the CPU's part the later), the one whose
+    fetch ends first wins, whatever its KL: a link slower than predicted still ends before the CPU,
+    and a link done early races the CPU's chunk. One ending clearly earlier wins outright."""
+
+    def plan(at_risk: float, link_risk: float, cost: float) -> stream._Plan:
+        return stream._Plan("x", 3, at_risk, cost, False, at_risk, link_risk)
+
+    cpu_bound = plan(2.30, 1.20, 5.0)  # CPU's part 2.30 s, its fetches (compact) done at 1.20 s
+    balanced = plan(2.30 + stream._TICK_S / 2, 2.29, 3.0)  # lower KL, its fetches end near the CPU
+    assert stream._better(cpu_bound, balanced) and not stream._better(balanced, cpu_bound)
+    sooner = plan(2.30 - 2 * stream._TICK_S, 2.20, 3.0)
+    assert stream._better(sooner, cpu_bound)
+    fits = stream._Plan("x", 3, 9.0, 9.0, True, 9.0, 9.0)
+    assert stream._better(fits, sooner)
 
 
 def test_trace_transfer_times() -> None:

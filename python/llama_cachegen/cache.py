@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -270,12 +269,9 @@ class CompressedStateCache(BaseLlamaCache):
         are given last first, so that its first chunks, which every hit of it needs, are the last
         evicted (a cache smaller than a prompt keeps a shorter prefix instead of its useless tail),
         then the statistics and skeletons they need (the last to go: without them the chunks are a
-        miss, dropped). Best effort: a read-only store still serves hits. (An HTTP store orders by
-        the server's GETs.)"""
-        now = time.time()
-        for i, key in enumerate(keys):
-            with contextlib.suppress(OSError, CacheGenError):
-                self.store.touch(key, at=now + i * 1e-6)
+        miss, dropped). Best effort: a read-only store still serves hits."""
+        with contextlib.suppress(OSError, CacheGenError):
+            self.store.mark_used(keys)
 
     def _read_snapshot(self, key: str, tokens: np.ndarray, fingerprint: dict[str, Any]) -> np.ndarray:
         """A stored whole context, checked (its tokens, the fingerprint) and decoded."""

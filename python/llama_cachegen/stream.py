@@ -15,8 +15,9 @@ jointly: for each split (the first x undecided chunks computed, the others fetch
 or pair of adjacent levels (the better one for as many of the latest chunks as fit: recent tokens
 weigh most) it predicts the finish from
 - the link: bytes / throughput, the slower of the smoothed and the mean rate of the fetches so far
-  (before any chunk: `prior_mbps`, else the skeleton's fetch, latency-bound and so slow); a fetch
-  in flight past its prediction is expected to be as late again;
+  (before any chunk: `prior_mbps`, else the skeleton's fetch, latency-bound and so slow, and the
+  first fetch takes the smallest level: one sample of a rate that may vary by orders of
+  magnitude); a fetch in flight past its prediction is expected to be as late again;
 - the CPU: prefill seconds per token as a line in the position (attention grows with the
   context), measured once per model and thread count (`calibrate`) and fitted to every piece
   computed since (`_PrefillSpeed`), plus each fetched chunk's decode time (measured per level);
@@ -25,7 +26,9 @@ and takes the plan with the lowest token-weighted KL (a chunk computed counts as
 stored for it: text is the fallback for a slow link, not a level above the best) that finishes
 within a share of the time left (_SLO_SHARE, less on a link whose rate has varied between chunks:
 `_share`) and at least _SLO_FLOOR of the SLO before its end, the earliest among equals; when none
-fits, the earliest.
+fits, the earliest, and among those ending alike (the CPU's part the later), the one whose fetches
+end first: smaller chunks on the link keep it ahead of the CPU if its rate falls, and a link done
+early races the CPU's chunk (a larger level there bought KL with the SLO).
 The link fetches its next chunk at that plan's level; the CPU computes the front chunk when the
 plan computes any. Races, both ways: when the front chunk is in flight and the CPU, idle, holds
 every chunk before it (nothing to restore), or when the only chunk left is in flight and not due
@@ -48,9 +51,12 @@ Two corrections for a rate that changes under a plan:
   before the SLO (less its last _SLO_FLOOR and the restore); the load waits for it until then
   and drops it after (`upgraded_from` in its record). The CPU, idle once every chunk is in the
   buffer, computes the first chunks below the best level stored again (exact, in order from the
-  first one that is not, as many as end by then; the link upgrades the others), stopping between
-  pieces at that time.
-  Plans made on a pessimistic estimate (a slow start, a wide spread) so give back what they cost.
+  first one that is not, as many as end by then and before the link would bring them at their
+  best; the link upgrades the others), stopping between pieces at that time. A new chunk is
+  fetched below the plan's level while an upgrade gains more KL per byte and does not fit after
+  the plan (`_capped`).
+  Plans made on a pessimistic estimate (a slow start, a wide spread, the first fetch) so give back
+  what they cost.
 
 The skeleton is fetched first (the buffer is built from it); while it is late (longer than a
 piece's compute), the CPU computes from the first chunk into the context, which keeps what it
@@ -454,6 +460,10 @@ class _Plan:
     # plans that do not fit (by `finish`, a fetch that ends with the CPU's last chunk would be as
     # early as a smaller one, and win on KL while more at risk)
     at_risk: float
+    # when the link's part ends, so stretched (no fetch: -inf): among plans that do not fit and
+    # end alike (the CPU's part the later), the smaller fetch wins: the link done early races the
+    # CPU's chunk, and a link slower than predicted still ends before the CPU
+    link_risk: float
 
 
 class _Loader:
@@ -698,7 +708,7 @@ class _Loader:
             f = m - x
             if f == 0:
                 finish = cpu_free + cpu[x]
-                return _Plan(worse, x, finish, computed[x], finish <= deadline, finish)
+                return _Plan(worse, x, finish, computed[x], finish <= deadline, finish, -math.inf)
             nbytes = tail[worse][x] + tail[better][m - n] - tail[worse][m - n]
             decode = self._decode_s(worse, tail[worse][x] - tail[worse][m - n]) + self._decode_s(
                 better, tail[better][m - n]
@@ -706,11 +716,12 @@ class _Loader:
             last = better if n == f else worse  # the front chunk of those fetched
             link = link_free + self._net_s(nbytes) + self._decode_s(last, size[last][x])
             finish = max(cpu_free + cpu[x] + decode, link)
-            at_risk = max(cpu_free + cpu[x] + decode, now + (link - now) * stretch)
+            link_risk = now + (link - now) * stretch
+            at_risk = max(cpu_free + cpu[x] + decode, link_risk)
             cost = computed[x] + self.kl.get(worse, math.inf) * (tail_tokens[x] - tail_tokens[m - n])
             cost += self.kl.get(better, math.inf) * tail_tokens[m - n]
             following = better if (n > 0 if self.both else n == f) else worse  # the next fetch's
-            return _Plan(following, x, finish, cost, finish <= deadline, at_risk)
+            return _Plan(following, x, finish, cost, finish <= deadline, at_risk, link_risk)
 
         pairs = list(zip(levels, levels[1:], strict=False)) or [(levels[0], levels[0])]
         best: _Plan | None = None
@@ -733,20 +744,21 @@ class _Loader:
         levels = self.levels[j]
         if not self.adapt:
             return levels[0], "fixed" if self.level else "best"
-        plan = self._best(self._undecided(), now)
-        if plan is None:  # no estimate at all: measure the link
+        if not self.sum_bytes and self.prior_inv is None and self.oracle is None:
+            # Nothing measured but the skeleton's fetch, one sample of a rate that may vary by
+            # orders of magnitude: the smallest level, fetched again better when time is left.
             return levels[-1], "first"
+        plan = self._best(self._undecided(), now)
+        assert plan is not None  # j is undecided, and the link has an estimate
         if plan.text == len(self._undecided()):
             # the CPU alone would do: fetch the last chunk anyway, at the level that serves best
             # if it arrives first (a free link also measures itself)
             plan = self._best(self._undecided(), now, fetch=True)
             assert plan is not None
-        if not self.sum_bytes and self.prior_inv is None and self.oracle is None:
-            reason = "first"  # chosen on the skeleton's fetch alone
-        elif not plan.feasible:
+        if not plan.feasible:
             reason = "fastest"
         else:
-            level = self._capped(j, plan.level, now)
+            level = self._capped(j, plan, now)
             return level, "best" if level == levels[0] else "budget"
         return plan.level, reason
 
@@ -799,13 +811,20 @@ class _Loader:
         stretch = 1.0 / self._share()
         tokens = self.ranges[i][1] - self.ranges[i][0]
         best = _Plan(
-            TEXT, 1, self.cpu_free, self._text_kl(i) * tokens, self.cpu_free <= deadline, self.cpu_free
+            TEXT,
+            1,
+            self.cpu_free,
+            self._text_kl(i) * tokens,
+            self.cpu_free <= deadline,
+            self.cpu_free,
+            self.cpu_free,  # (no fetch, but racing one is free: ranked by its own end)
         )
         for level in self.levels[i]:
             size = self._size(i, level)
             finish = now + self._net_s(size) + self._decode_s(level, size)
             at_risk = now + (finish - now) * stretch
-            plan = _Plan(level, 0, finish, self.kl.get(level, math.inf) * tokens, finish <= deadline, at_risk)
+            cost = self.kl.get(level, math.inf) * tokens
+            plan = _Plan(level, 0, finish, cost, finish <= deadline, at_risk, at_risk)
             if _better(plan, best):
                 best = plan
         if best.level == TEXT and not best.feasible and self.oracle is None and self.invs:
@@ -903,14 +922,19 @@ class _Loader:
                     best = (gain, i, level)
         return best
 
-    def _capped(self, j: int, level: str, now: float) -> str:
-        """`level` for a fetch of chunk j, lowered while the step from the next lower level gains
-        less KL per extra byte than the best upgrade of a chunk in the buffer (_best_upgrade): a
-        compact chunk fetched on a slow start is worth fetching again at balanced before a new
-        chunk is worth high, and the estimates that made the plan feasible may not last. (Where
-        both would fit, this costs a second fetch of the chunk; the SLO's time is spent so.)"""
+    def _capped(self, j: int, plan: _Plan, now: float) -> str:
+        """The plan's level for a fetch of chunk j, lowered while the step from the next lower
+        level gains less KL per extra byte than the best upgrade of a chunk in the buffer
+        (_best_upgrade), unless that upgrade fits after the plan: a compact chunk fetched on a slow
+        start is worth fetching again at balanced before a new chunk is worth high, and the
+        estimates that made the plan feasible may not last; on a link with time to spare, the new
+        chunks come at the plan's level and the upgrade after them."""
+        level = plan.level
         up = self._best_upgrade(now, coming=True)
         if up is None:
+            return level
+        size = self._size(up[1], up[2])
+        if plan.finish + self._net_s(size) + self._decode_s(up[2], size) <= self._deadline(now):
             return level
         levels, tokens = self.levels[j], self.ranges[j][1] - self.ranges[j][0]
         k = levels.index(level)
@@ -927,8 +951,11 @@ class _Loader:
         again by _latest (exact K/V, as text; with the read-back that splices each into the
         buffer): from the first chunk that is not exact on, each with every chunk before it
         exact, none whose fetch (an upgrade) is in flight, and only once every chunk is in the
-        buffer (but the one the CPU computes). A model with a recurrent state, whose context cannot
-        be restored for a prefix, only where the context holds the chunks before them."""
+        buffer (but the one the CPU computes), and none the link would bring at its best level
+        sooner (the link upgrading from the last chunk back, the CPU from the first on: they meet
+        where their speeds put them, not wherever the CPU could still end by _latest). A model with a
+        recurrent state, whose context cannot be restored for a prefix, only where the context
+        holds the chunks before them."""
         busy = self.computing
         if not (
             self.adapt and self.both and self.speed and self.state is not None and not self.recompute_failed
@@ -940,10 +967,19 @@ class _Loader:
         held = self.held if busy is None else self.ranges[busy][1]
         if k is None or (self.recurrent and held != self.ranges[k][0]):
             return []
+        n = len(self.plan)
+        link = [math.inf] * (n + 1)  # link[i]: when the link would have chunks i.. at their best
+        if self.oracle is not None or self._inv() is not None:
+            link[n] = self._link_end(now)
+            for i in range(n - 1, k - 1, -1):
+                size = 0.0 if self._at_best(i) or i in self.jobs else self._size(i, self.levels[i][0])
+                link[i] = link[i + 1] + (
+                    self._net_s(size) + self._decode_s(self.levels[i][0], size) if size else 0.0
+                )
         t, latest, out = max(now, self.cpu_free), self._latest(), []
-        for i in range(k, len(self.plan)):
+        for i in range(k, n):
             t += self._text_s(i) + self._readback_s(i)
-            if i in self.jobs or self._at_best(i) or t > latest:
+            if i in self.jobs or self._at_best(i) or t > latest or t > link[i]:
                 break
             out.append(i)
         return out
@@ -1478,7 +1514,8 @@ def _suffix_sums(values: list[float] | list[int]) -> list[float]:
 
 def _better(a: _Plan, b: _Plan) -> bool:
     """Feasible first; then the lowest KL, the earliest, the least computed; else the earliest with
-    the link's margin (at_risk)."""
+    the link's margin (at_risk; ends within _TICK_S are alike: below what the estimates can tell),
+    then the smaller fetch (link_risk), the lowest KL."""
     if a.feasible != b.feasible:
         return a.feasible
     if a.feasible:
@@ -1486,7 +1523,9 @@ def _better(a: _Plan, b: _Plan) -> bool:
         if not math.isclose(a.cost, b.cost, rel_tol=1e-9, abs_tol=1e-12):
             return a.cost < b.cost
         return (a.finish, a.text) < (b.finish, b.text)
-    return (a.at_risk, a.cost) < (b.at_risk, b.cost)
+    if not math.isclose(a.at_risk, b.at_risk, rel_tol=0.0, abs_tol=_TICK_S):
+        return a.at_risk < b.at_risk
+    return (a.link_risk, a.cost) < (b.link_risk, b.cost)
 
 
 def load_streaming(

@@ -25,6 +25,7 @@ import os
 import re
 import urllib.parse
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ AuthKey = bytes | str | None
 class EntryInfo:
     key: str
     size: int  # bytes stored, the tag header included
-    mtime: float  # seconds since the epoch of the last write or touch: the LRU clock
+    mtime: float  # seconds since the epoch of the last write or use (mark_used): the LRU clock
 
 
 def is_key(key: str) -> bool:
@@ -159,9 +160,9 @@ class Store(ABC):
         """Every entry whose key starts with `prefix` (a folder-like prefix ending in '/' or '')."""
 
     @abstractmethod
-    def touch(self, key: str, at: float | None = None) -> None:
-        """Marks `key` as used at `at` (seconds since the epoch; None: now) for LRU eviction; a
-        missing key is ignored."""
+    def mark_used(self, keys: Sequence[str]) -> None:
+        """Marks `keys` used now for LRU eviction, in this order: each later than the one before
+        (on the store's clock: an HTTP store's server sets them). Missing keys are ignored."""
 
     def temporaries(self, prefix: str = "") -> list[EntryInfo]:
         """Partial writes under `prefix` still taking space (in progress, or left by writers that

@@ -22,7 +22,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -338,11 +338,14 @@ class FileStore(Store):
         each EntryInfo's key is the temporary's own path."""
         return self._walk(prefix, temporaries=True)
 
-    def touch(self, key: str, at: float | None = None) -> None:
-        # `at` is set exactly (the file system's own clock ticks every few ms)
-        ns = round((time.time() if at is None else at) * 1e9)
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError), self._folder(key) as (fd, name):
-            os.utime(name, ns=(ns, ns), dir_fd=fd, follow_symlinks=False)
+    def mark_used(self, keys: Sequence[str]) -> None:
+        # times set exactly, a microsecond apart (the file system's own clock ticks every few ms);
+        # best effort: a key missing, a link or a read-only store is left as it is
+        now = time.time_ns()
+        for i, key in enumerate(keys):
+            ns = now + i * 1000
+            with contextlib.suppress(OSError), self._folder(key) as (fd, name):
+                os.utime(name, ns=(ns, ns), dir_fd=fd, follow_symlinks=False)
 
     def sweep(self, max_age_s: float = 3600.0) -> int:
         """Removes temporaries whose writer died (known at once on this host) or that are older

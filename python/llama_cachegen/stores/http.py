@@ -4,7 +4,9 @@
 Protocol: `GET /key` returns the value (and marks it used), `PUT /key` stores the request body
 atomically, `HEAD /key` answers 200 with Content-Length or 404, `DELETE /key` removes it,
 `GET /prefix/` (a path ending in '/') lists the entries under it as JSON
-`[{"key": ..., "size": ..., "mtime": ...}]`. The server keeps the values in a FileStore.
+`[{"key": ..., "size": ..., "mtime": ...}]`, `POST /prefix/` with the JSON
+`{"mark_used": [key, ...]}` marks those keys under the prefix used now, in that order (on the
+server's clock: a client's may differ). The server keeps the values in a FileStore.
 
 Access: a server started with a token (`--token-file`, or LLAMA_CACHEGEN_TOKEN) takes writes,
 deletes and listings only with `Authorization: Bearer <token>`; reads of single keys stay open
@@ -27,7 +29,7 @@ import sys
 import threading
 import urllib.parse
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from .file import FileStore, PendingWrite
 
 TOKEN_ENV = "LLAMA_CACHEGEN_TOKEN"
 MAX_BODY = 8 << 30  # refuse uploads beyond this: a state of 8 GiB is already far past any real one
+MAX_MARK_BODY = 4 << 20  # a mark_used request's JSON: ~20,000 keys
 BODY_TIMEOUT_S = 60.0  # an upload that sends nothing for this long is dropped
 KEEPALIVE_S = 30.0  # idle connections (and connections that never send a request) are closed
 SWEEP_EVERY_S = 600.0  # how often the server removes the temporaries of uploads that died
@@ -252,8 +255,10 @@ class HttpStore(Store):
             raise StoreError(f"unreadable listing from {self.url}: {exc}") from exc
         return [e for e in entries if e.key.startswith(prefix) and is_key(e.key)]
 
-    def touch(self, key: str, at: float | None = None) -> None:
-        """Nothing to do: the server marks an entry used on every GET."""
+    def mark_used(self, keys: Sequence[str]) -> None:
+        if keys:  # one request (the server marks each GET too, but in the order of the reads)
+            body = json.dumps({"mark_used": [check_key(k) for k in keys]}).encode()
+            self._request("POST", "", body, listing=True)
 
     def _reader_of(self, thread_id: int) -> _Reader | None:
         with self._lock:
@@ -329,20 +334,24 @@ class _Server:
         path = request.path
         key = path.strip("/")
         listing = path.endswith("/") or not key
-        if request.method not in ("GET", "HEAD", "PUT", "DELETE"):
+        if request.method not in ("GET", "HEAD", "PUT", "DELETE", "POST"):
             return _text(405, f"method {request.method} not allowed")
-        needs_token = self.private or listing or request.method in ("PUT", "DELETE")
+        needs_token = self.private or listing or request.method in ("PUT", "DELETE", "POST")
         if (
             self.token is not None
             and needs_token
             and not bearer_ok(request.headers.get("Authorization"), self.token)
         ):
             # a refused upload's body is never read: close rather than parse it
-            refuse = _closing if request.method == "PUT" else _text
+            refuse = _closing if request.method in ("PUT", "POST") else _text
             response = refuse(401, "a bearer token is required")
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         try:
+            if request.method == "POST":
+                if not listing:
+                    return _closing(405, "POST only to a folder (mark_used)")
+                return await self._mark_used(request, key)
             if listing:
                 if request.method != "GET":
                     return _text(405, "folders are only listed (GET)")
@@ -374,7 +383,7 @@ class _Server:
             size = os.fstat(f.fileno()).st_size
             if request.method == "HEAD":
                 return web.Response(status=200, headers={"Content-Length": str(size)})
-            await self._run(self.store.touch, key)
+            await self._run(self.store.mark_used, [key])
             response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             response.content_length = size
             await response.prepare(request)
@@ -387,6 +396,21 @@ class _Server:
             return response
         finally:
             f.close()
+
+    async def _mark_used(self, request: web.Request, folder: str) -> web.StreamResponse:
+        declared = request.content_length
+        if declared is None:
+            return _closing(411, "Content-Length required")
+        if declared > MAX_MARK_BODY:
+            return _closing(413, f"body over {MAX_MARK_BODY} bytes")
+        try:
+            keys = json.loads(await request.read())["mark_used"]
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise TypeError("mark_used is not a list of keys")
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            return _text(400, f"not a mark_used request: {exc}")
+        await self._run(self.store.mark_used, [check_key(f"{folder}/{k}" if folder else k) for k in keys])
+        return web.Response(status=204)
 
     async def _put(self, request: web.Request, key: str) -> web.StreamResponse:
         declared = request.content_length
