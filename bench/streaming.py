@@ -10,11 +10,12 @@ relative to this machine's break-even bandwidth BE = balanced bytes per token x 
 (prefill, no link), raw f16 state fetch, each fixed level (the streaming pipeline without
 adaptation), adaptive (measured throughput; no prior: the first chunk at the smallest level, the
 skeleton's fetch the first estimate) and adaptive with an oracle (the relay's trace). TTFT = time
-to a loaded context + one token's decode (measured once). A fixed method whose transfer alone would exceed the cap (1.5 x the largest SLO;
-3 x on the constant trace the decode hiding is measured on) on a trace is not run there and counts
-as a miss. Quality: mean KL over a teacher-forced continuation, per level measured once, and for
-every adaptive and oracle load on the state it loaded (a mix's KL is not its levels' weighted by
-tokens: one lossy chunk already costs about the model's noise floor).
+to a loaded context + one token's decode (measured once). A fixed method whose transfer alone would
+exceed the cap (1.5 x the largest SLO; 3 x on the constant trace the decode hiding is measured on)
+on a trace is not run there and counts as a miss. Quality: mean KL over a teacher-forced
+continuation, per level measured once, and for every adaptive and oracle load on the state it
+loaded (a mix's KL is not its levels' weighted by tokens: one lossy chunk already costs about the
+model's noise floor).
 Writes streaming.md, streaming.json and streaming.png into --out.
 
 `--adaptive-only F` runs adaptive alone (with `--oracle`, the oracle too) on the random traces at
