@@ -534,6 +534,16 @@ def test_deleting_removes_the_folders_it_empties(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(FileStore, "_open_folder", open_then_removed)
     store.put(keys[0], b"again")
     assert removed == [keys[0]] and store.get(keys[0]) == b"again"
+    monkeypatch.undo()
+    assert store.delete(keys[0])
+    store.begin_write(keys[1]).abort()  # an upload refused or cut short: no folder left either
+    subprocess.run([sys.executable, "-c", DEAD_WRITER, str(tmp_path), keys[2], "10"], check=True, timeout=60)
+    assert store.sweep() == 1  # a writer that died: its temporary goes, and its folder
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "lcg4",
+        "lcg4/stats",
+        "lcg4/stats/" + "0" * 64,
+    ]
 
 
 def _within(seconds: float, call: Any) -> BaseException | None:

@@ -22,7 +22,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -99,11 +99,12 @@ def writer_is_dead(tmp_name: str) -> bool:
 
 class PendingWrite:
     """A new value for one file, written into a hidden temporary beside it: `commit` renames it
-    over the file (atomic), `abort` removes it (and does nothing once committed or aborted).
-    Takes ownership of `dir_fd`."""
+    over the file (atomic), `abort` removes it (and does nothing once committed or aborted), then
+    calls `aborted` (a store removes the folders left empty). Takes ownership of `dir_fd`."""
 
-    def __init__(self, dir_fd: int, name: str) -> None:
+    def __init__(self, dir_fd: int, name: str, aborted: Callable[[], None] | None = None) -> None:
         self._dir_fd, self._name, self._tmp = dir_fd, name, _tmp_name(name)
+        self._aborted = aborted
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
         try:
             fd = os.open(self._tmp, flags, 0o666, dir_fd=dir_fd)
@@ -134,6 +135,8 @@ class PendingWrite:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._tmp, dir_fd=self._dir_fd)
         os.close(self._dir_fd)
+        if self._aborted is not None:
+            self._aborted()
 
 
 def atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
@@ -255,7 +258,7 @@ class FileStore(Store):
         except BaseException:
             os.close(fd)
             raise
-        return PendingWrite(fd, name)
+        return PendingWrite(fd, name, lambda: self._remove_empty_folders(key))
 
     def _put(self, key: str, data: bytes) -> None:
         _finish(self.begin_write(key), data, f"cannot write {key!r} in {self.root}")
@@ -292,9 +295,9 @@ class FileStore(Store):
         return True
 
     def _remove_empty_folders(self, key: str) -> None:
-        """Removes the folders of `key` that its deletion left empty, deepest first (each chunk
-        has a folder of its own: left behind, they piled up and every listing walked them). A
-        writer that finds its folder gone meanwhile creates it again (begin_write)."""
+        """Removes the folders of `key` that its deletion (or a temporary's) left empty, deepest
+        first (each chunk has a folder of its own: left behind, they piled up and every listing
+        walked them). A writer that finds its folder gone meanwhile creates it again (begin_write)."""
         folders = key.split("/")[:-1]
         while folders:
             name = folders.pop()
@@ -358,4 +361,5 @@ class FileStore(Store):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self._real_root, info.key))
                     removed += 1
+                self._remove_empty_folders(info.key)
         return removed
