@@ -14,12 +14,15 @@ from pathlib import Path
 import llama_cachegen as lcg
 import numpy as np
 import pytest
+from conftest import multi_seq_llama
 from llama_cachegen import chunks, codec, stream
 from llama_cachegen.cache import CompressedStateCache
-from llama_cachegen.errors import UnsupportedFormatError
+from llama_cachegen.errors import InvalidArgumentError, UnsupportedFormatError
 from llama_cachegen.llama import (
+    StateMeta,
     capture_state,
     load_compressed_state,
+    lossy_level,
     model_fingerprint,
     save_compressed_state,
 )
@@ -157,6 +160,70 @@ def test_the_prompt_cache_of_a_hybrid_serves_whole_contexts_that_start_the_promp
     damaged.write_bytes(good[:-50])  # cut short: a miss, and it goes
     text, cache, _ = complete(follow_up, True)
     assert (cache.hits, cache.misses) == (0, 1) and not damaged.exists() and text == first_follow_up
+
+
+def test_snapshots_keep_their_level_their_sequence_and_their_neighbours(tmp_path: Path, hybrid: Path) -> None:
+    """Snapshots are filed by level: a lossless cache never sees a compact cache's snapshot (it
+    served one, recorded exact). A context holding K/V of a lossy hit is stored again losslessly
+    with that record (encoded again at every hit-extend-save cycle, a conversation's first tokens
+    drifted further each turn: logits 0.43 -> 3.9 apart after 8 turns). A state of two sequences
+    and one larger than the capacity are not stored; eviction takes snapshots only."""
+    store = tmp_path.as_uri()
+    chunks.save_chunked(make(hybrid), f"{store}/empty", chunk_tokens=C)  # save_chunked's objects
+    saved = {p for p in tmp_path.rglob("*") if p.is_file()}
+    llm = make(hybrid)
+    llm.eval(TOKENS[:100])
+    compact = CompressedStateCache(store, chunk_tokens=C, level="compact", model=llm)
+    compact[TOKENS[:100]] = llm.save_state()
+    assert TOKENS[:120] in compact
+    assert TOKENS[:120] not in CompressedStateCache(store, chunk_tokens=C, level="lossless", model=llm)
+
+    reader = make(hybrid)  # hits the compact snapshot, computes 20 tokens more, saves
+    cache = CompressedStateCache(store, chunk_tokens=C, level="compact", model=reader)
+    reader.load_state(cache[TOKENS[:120]])
+    reader.eval(TOKENS[100:120])
+    cache[TOKENS[:120]] = reader.save_state()
+    (again,) = (p for p in tmp_path.rglob("120-*") if p.is_file())
+    blob = again.read_bytes()
+    assert codec.inspect(blob)["level"] == "lossless"
+    assert StateMeta.unpack(codec.user_meta(blob)).lossy == (0, "compact")
+    last = make(hybrid)
+    last.load_state(cache[TOKENS[:130]])  # the lossless container of compact K/V: recorded compact
+    assert lossy_level(last, None, np.asarray(TOKENS[:120], np.intc)) == "compact"
+
+    two = multi_seq_llama(hybrid, 2, True, n_ctx=1024, n_threads=1)
+    two.eval(TOKENS[:100])
+    assert stream._decode_tokens(two.ctx, np.asarray(OTHER[:30], np.intc), 0, 1, int(two.n_batch))
+    before = {p for p in tmp_path.rglob("*") if p.is_file()}
+    CompressedStateCache(store, chunk_tokens=C, level="high", model=two)[TOKENS[:100]] = two.save_state()
+    assert {p for p in tmp_path.rglob("*") if p.is_file()} == before  # the other sequence is not shared
+
+    # compact: the reader's record holds these tokens lossy, which a better cache would not store
+    small = CompressedStateCache(store, chunk_tokens=C, level="compact", capacity_bytes=len(blob), model=llm)
+    llm.eval(TOKENS[100:110])
+    small[TOKENS[:110]] = llm.save_state()  # fits: the others go, save_chunked's objects stay
+    kept = {p for p in tmp_path.rglob("*") if p.is_file()}
+    assert saved < kept and [p.name[:4] for p in kept - saved] == ["110-"]
+    llm.eval(TOKENS[110:300])
+    small[TOKENS[:300]] = llm.save_state()  # larger than the capacity: not stored, nothing evicted
+    assert {p for p in tmp_path.rglob("*") if p.is_file()} == kept
+
+
+def test_a_hybrid_state_names_every_position_or_none(tmp_path: Path, hybrid: Path, source: lcg.Llama) -> None:
+    """Fewer token ids than positions are fine where llama-cpp-python's next eval drops the rest;
+    a recurrent state cannot be cut back (that eval failed in llama_decode): refused at the save,
+    and a container that does so anyway is refused at the load, the context left as it was."""
+    with pytest.raises(InvalidArgumentError, match="recurrent state"):
+        save_compressed_state(source, tmp_path / "a.lcg", tokens=TOKENS[:250])
+    meta = StateMeta(model_fingerprint(source), "all", None, 1024, np.asarray(TOKENS[:250], np.intc))
+    blob = codec.encode(capture_state(source, None), "lossless", kind="full_buffer", user_meta=meta.pack())
+    fresh = make(hybrid)
+    fresh.eval(TOKENS[:10])
+    with pytest.raises(UnsupportedFormatError, match="recurrent state cannot drop"):
+        load_compressed_state(fresh, blob)
+    other = make(hybrid)
+    other.eval(TOKENS[:10])
+    assert fresh.n_tokens == 10 and np.allclose(continuation(fresh, 10), continuation(other, 10), atol=1e-5)
 
 
 def test_a_recurrent_model_is_refused_with_a_clear_error(tmp_path: Path, mamba: Path) -> None:

@@ -45,6 +45,7 @@ from .llama import (
     model_fingerprint,
     record_load,
     record_possible_load,
+    worse_load,
 )
 from .model import cache_dir
 from .stores import Store, open_store
@@ -81,9 +82,14 @@ class CompressedStateCache(BaseLlamaCache):
 
     A recurrent or hybrid model's state holds the recurrent state of its last position only, so no
     prefix can be cut from it: for such a model the cache stores whole contexts instead, one
-    container each (`lcg4/snapshots/<fingerprint key>/<tokens>-<hash of the tokens>`), and a hit is
-    the longest one whose tokens all start the prompt (found by listing them, longest first). A
-    purely recurrent model has no KV cache: its cache stores nothing and always misses.
+    container each (`lcg4/snapshots/<fingerprint key>/<level>/<tokens>-<hash of the tokens>`), and
+    a hit is the longest one at the cache's level whose tokens all start the prompt (found by
+    listing them, longest first). A context holding K/V decoded from a lossy level is stored
+    losslessly, with that record (a hit-extend-save cycle would otherwise quantize the same K/V
+    again at every turn); one holding several sequences, or larger than `capacity_bytes`, is not
+    stored. Eviction and `clear` take snapshots only (the chunks of `save_chunked` in the same
+    store are left alone). A purely recurrent model has no KV cache: its cache stores nothing and
+    always misses.
     """
 
     def __init__(
@@ -139,14 +145,20 @@ class CompressedStateCache(BaseLlamaCache):
         return self._fingerprint
 
     @property
+    def _objects(self) -> str:
+        """The prefix of what the cache counts and evicts: every chunk object, or a recurrent
+        model's snapshots."""
+        return SNAPSHOTS if self._recurrent else chunks.PREFIX
+
+    @property
     def cache_size(self) -> int:
-        """Bytes of the chunk objects in the store and of the partial writes in it."""
-        pending = sum(info.size for info in self.store.temporaries(chunks.PREFIX))
-        return pending + sum(info.size for info in self.store.list(chunks.PREFIX))
+        """Bytes of the cache's objects in the store and of the partial writes among them."""
+        pending = sum(info.size for info in self.store.temporaries(self._objects))
+        return pending + sum(info.size for info in self.store.list(self._objects))
 
     def _snapshot_key(self, tokens: np.ndarray) -> str:
         digest = chunks._sha256(self.namespace.encode() + tokens.astype("<i4").tobytes())
-        return f"{SNAPSHOTS}{self.namespace}/{tokens.size}-{digest[:32]}"
+        return f"{SNAPSHOTS}{self.namespace}/{self.level}/{tokens.size}-{digest[:32]}"
 
     def _match_snapshot(self, tokens: np.ndarray) -> chunks.PrefixMatch:
         """The longest stored whole context whose tokens start `tokens` and leave some to evaluate
@@ -154,7 +166,7 @@ class CompressedStateCache(BaseLlamaCache):
         cut back for), as one "chunk"."""
         room = tokens.size if self._n_ctx is None else min(tokens.size, self._n_ctx)
         stored = []
-        for info in self.store.list(f"{SNAPSHOTS}{self.namespace}/"):
+        for info in self.store.list(f"{SNAPSHOTS}{self.namespace}/{self.level}/"):
             n, _, _ = info.key.rpartition("/")[2].partition("-")
             if n.isdigit() and 0 < int(n) < room:
                 stored.append((int(n), info.key))
@@ -205,7 +217,7 @@ class CompressedStateCache(BaseLlamaCache):
             # everything is checked and decoded here: llama-cpp-python overwrites its token list
             # before it hands the state to llama.cpp
             try:
-                state, used = self._read(match, prefix, fingerprint)
+                state, used, lossy = self._read(match, prefix, fingerprint)
                 break
             except chunks.ChunkMissingError as exc:  # evicted by another process since the lookup
                 match.cut(exc.index)
@@ -228,9 +240,8 @@ class CompressedStateCache(BaseLlamaCache):
         # looks up on every completion but loads a hit only when it is longer than what the
         # context holds (recorded as lossless at every lookup, balanced K/V held went into the
         # store as exact). A plain llama_cpp.Llama does not say whether it loaded: recorded worse.
-        lossy = None if self.level == "lossless" else (0, self.level)
-        if llm is not None and not isinstance(llm, Llama):
-            record_possible_load(llm, prefix, self.level)
+        if llm is not None and not isinstance(llm, Llama) and lossy is not None:
+            record_possible_load(llm, prefix, lossy[1])
         input_ids = np.zeros(self._n_ctx or prefix.size, dtype=np.intc)
         input_ids[: prefix.size] = prefix
         n_vocab = int(fingerprint.get("n_vocab") or 1)
@@ -250,10 +261,11 @@ class CompressedStateCache(BaseLlamaCache):
 
     def _read(
         self, match: chunks.PrefixMatch, prefix: np.ndarray, fingerprint: dict[str, Any]
-    ) -> tuple[np.ndarray, list[str]]:
-        """The state of a match, checked and decoded, and the keys it used."""
+    ) -> tuple[np.ndarray, list[str], tuple[int, str] | None]:
+        """The state of a match, checked and decoded, the keys it used, and its lossy record."""
         if self._recurrent:
-            return self._read_snapshot(match.keys[0], prefix, fingerprint), [match.keys[0]]
+            state, lossy = self._read_snapshot(match.keys[0], prefix, fingerprint)
+            return state, [match.keys[0]], lossy
         levels = [(self.level,)] * match.chunks
         reader = chunks._ChunkReader(self.store, fingerprint, prefix, self.chunk_tokens, match.keys, levels)
         state, skeleton, _ = chunks._assemble(reader, None, self.threads)
@@ -262,7 +274,8 @@ class CompressedStateCache(BaseLlamaCache):
         support = [chunks._stats_key(i) for i in reader.stats_ids]
         support += [chunks._skeleton_key(i) for i in sorted(reader.skeleton_ids)]
         self._hit_support = (prefix, support)
-        return state, [*(chunks._chunk_key(k, self.level) for k in reversed(match.keys)), *support]
+        used = [*(chunks._chunk_key(k, self.level) for k in reversed(match.keys)), *support]
+        return state, used, None if self.level == "lossless" else (0, self.level)
 
     def _mark_used(self, keys: list[str]) -> None:
         """Sets the LRU clock of `keys`, each a microsecond after the one before: a chain's chunks
@@ -273,16 +286,24 @@ class CompressedStateCache(BaseLlamaCache):
         with contextlib.suppress(OSError, CacheGenError):
             self.store.mark_used(keys)
 
-    def _read_snapshot(self, key: str, tokens: np.ndarray, fingerprint: dict[str, Any]) -> np.ndarray:
-        """A stored whole context, checked (its tokens, the fingerprint) and decoded."""
+    def _read_snapshot(
+        self, key: str, tokens: np.ndarray, fingerprint: dict[str, Any]
+    ) -> tuple[np.ndarray, tuple[int, str] | None]:
+        """A stored whole context, checked (its tokens, the fingerprint, a quality at least the
+        cache's level) and decoded, and its lossy record: its container's level and the one it
+        carries (K/V decoded from a lossy level, stored losslessly)."""
         blob = self.store.get(key)
         meta = StateMeta.unpack(codec.user_meta(blob))
         check_fingerprint(meta.fingerprint, fingerprint)
-        if not np.array_equal(meta.tokens, tokens) or codec.inspect(blob)["kind"] != "full_buffer":
+        info = codec.inspect(blob)
+        if not np.array_equal(meta.tokens, tokens) or info["kind"] != "full_buffer":
             raise CorruptDataError(f"{key} holds another context")
+        lossy = meta.lossy if info["level"] == "lossless" else worse_load(meta.lossy, 0, info["level"])
+        if lossy is not None and better_level(self.level, lossy[1]):
+            raise CorruptDataError(f"{key} holds K/V of {lossy[1]}, below the cache's {self.level}")
         state = codec.empty_buffer(codec.decoded_size(blob))
         codec.decode_into(blob, state, threads=self.threads)
-        return state
+        return state, lossy
 
     def _drop(self, match: chunks.PrefixMatch) -> None:
         for k in match.keys:
@@ -363,22 +384,35 @@ class CompressedStateCache(BaseLlamaCache):
         return worst is not None and better_level(self.level, worst)
 
     def _put_snapshot(self, value: llama_cpp.llama.LlamaState, fingerprint: dict[str, Any]) -> None:
-        """The whole context, one container, unless stored already."""
+        """The whole context, one container, unless stored already, of several sequences (a hit
+        would put the saver's other sequences into the reader's) or larger than the capacity (its
+        eviction would empty the cache, itself last). K/V decoded from a lossy level (a hit's, and
+        what was computed on top of it) is stored losslessly with its record: quantized again at
+        every hit-extend-save cycle, a conversation's first tokens drifted further each turn."""
         n = int(value.n_tokens)
         tokens = np.asarray(value.input_ids[:n], np.intc)
         key = self._snapshot_key(tokens)
         if n == 0 or self.store.has(key):
             return
-        meta = StateMeta(fingerprint, "all", None, len(value.input_ids), tokens).pack()
         state = bytes(value.llama_state[: value.llama_state_size])
-        blob = codec.encode(state, self.level, kind="full_buffer", threads=self.threads, user_meta=meta)
+        info = codec.inspect_state(state, "full_buffer")
+        if info["cells"] != n or info["positions"] != (0, n):
+            return
+        worst = lossy_level_anywhere(tokens)
+        lossy = None if worst is None else (0, worst)
+        meta = StateMeta(fingerprint, "all", None, len(value.input_ids), tokens, lossy=lossy).pack()
+        level = self.level if lossy is None else "lossless"
+        blob = codec.encode(state, level, kind="full_buffer", threads=self.threads, user_meta=meta)
+        if len(blob) > self.capacity_bytes:
+            _log.warning("prompt cache: a context of %d bytes exceeds capacity_bytes: not stored", len(blob))
+            return
         self.store.put(key, blob)
         self._evict()
 
     def _evict(self) -> None:
         self.store.sweep()  # leftovers of dead writers go first; the rest still take space
-        objects = self.store.list(chunks.PREFIX)
-        size = sum(i.size for i in self.store.temporaries(chunks.PREFIX)) + sum(i.size for i in objects)
+        objects = self.store.list(self._objects)
+        size = sum(i.size for i in self.store.temporaries(self._objects)) + sum(i.size for i in objects)
         for info in sorted(objects, key=lambda i: i.mtime):
             if size <= self.capacity_bytes:
                 break
@@ -386,6 +420,7 @@ class CompressedStateCache(BaseLlamaCache):
             size -= info.size
 
     def clear(self) -> None:
-        """Removes every chunk object of the store."""
-        for info in self.store.list(chunks.PREFIX):
+        """Removes the cache's objects from the store (every chunk object, or a recurrent model's
+        snapshots)."""
+        for info in self.store.list(self._objects):
             self.store.delete(info.key)

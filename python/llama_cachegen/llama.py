@@ -485,8 +485,9 @@ def capture_meta(llm: llama_cpp.Llama, seq_id: int | None, tokens: Sequence[int]
 
     The token ids name positions 0.. of the sequence: more ids than it holds positions are refused
     (a load would claim KV that is not there); fewer are fine (llama-cpp-python's next eval drops
-    the positions past its tokens), none means unknown. A purely recurrent model is refused
-    (`require_kv_cache`)."""
+    the positions past its tokens), none means unknown, but not for a model with a recurrent
+    state, whose positions cannot be dropped (its next eval failed in llama_decode). A purely
+    recurrent model is refused (`require_kv_cache`)."""
     require_kv_cache(llm)
     own = seq_id in (None, 0)
     if tokens is None:
@@ -498,6 +499,11 @@ def capture_meta(llm: llama_cpp.Llama, seq_id: int | None, tokens: Sequence[int]
             f"the state holds {n_pos} positions (sequence {0 if seq_id is None else seq_id}) but "
             f"{len(tokens)} token ids were given (tokens=, else llama-cpp-python's own): at most one id "
             "per position"
+        )
+    if 0 < len(tokens) < n_pos and has_recurrent_state(llm):
+        raise InvalidArgumentError(
+            f"the state holds {n_pos} positions but {len(tokens)} token ids were given: a model with a "
+            "recurrent state cannot drop the positions past them, give one id per position (or none)"
         )
     return StateMeta(
         fingerprint=model_fingerprint(llm),
@@ -714,6 +720,13 @@ def restore_context(
     if tokens.size > n_pos:
         message = f"the state holds {n_pos} positions but its token list has {tokens.size} ids"
         _put_back(llm, backup, target, CorruptDataError, message)
+    if target in (None, 0) and 0 < tokens.size < n_pos and has_recurrent_state(llm):
+        # llama-cpp-python's next eval would drop the positions past the tokens: a recurrent
+        # state cannot be cut back (llama_decode failed)
+        message = f"the state holds {n_pos} positions but its token list has {tokens.size} ids"
+        _put_back(
+            llm, backup, target, UnsupportedFormatError, message + ", which a recurrent state cannot drop"
+        )
     set_tokens(llm, target, tokens, logits, seed)
     record_load(llm, target, tokens, lossy)
 
