@@ -17,7 +17,7 @@ import llama_cpp
 import numpy as np
 import pytest
 from conftest import DEAD_WRITER, chunk_objects, greedy, smollm
-from llama_cachegen import codec
+from llama_cachegen import chunks, codec
 from llama_cachegen.cache import CompressedStateCache
 from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import InvalidArgumentError
@@ -307,18 +307,31 @@ def test_partial_writes_count_against_capacity_and_dead_ones_go_at_once(
         live.abort()
 
 
-def test_a_damaged_chunk_is_a_miss_and_goes(tmp_path: Path, states: list[llama_cpp.llama.LlamaState]) -> None:
+def test_a_damaged_chunk_goes_and_the_chunks_before_it_serve(
+    tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
+) -> None:
+    """A chunk damaged where it is stored ends the prefix before it and is removed (the next save
+    writes it again); the chunks before it, which other prompts share, stay and serve (the whole
+    chain was dropped)."""
     cache = CompressedStateCache(tmp_path, level="balanced", chunk_tokens=C, model=smollm())
-    cache[_tokens(states[1])] = states[1]
-    (key, *_) = sorted(i.key for i in cache.store.list(f"{PREFIX}chunks/"))
-    blob = bytearray(cache.store.get(key))
-    blob[-5] ^= 0x40
-    cache.store.put(key, bytes(blob))
+    tokens = _tokens(states[1])
+    cache[tokens] = states[1]
+    first, second = (chunks._chunk_key(k, "balanced") for k in cache._match(tokens).keys)
+
+    def damage(key: str) -> None:
+        blob = bytearray(cache.store.get(key))
+        blob[-5] ^= 0x40
+        cache.store.put(key, bytes(blob))
+
+    damage(second)
+    assert cache[tokens].n_tokens == C and (cache.hits, cache.misses) == (1, 0)
+    assert not cache.store.exists(second) and cache.store.exists(first)
+    damage(first)
     with pytest.raises(KeyError, match="unusable"):
-        cache[_tokens(states[1])]
-    assert not cache.store.exists(key) and (cache.hits, cache.misses) == (0, 1)
-    cache[_tokens(states[1])] = states[1]  # written again, whole
-    assert np.array_equal(cache[_tokens(states[1])].input_ids[: 2 * C], _tokens(states[1])[: 2 * C])
+        cache[tokens]
+    assert not cache.store.exists(first) and (cache.hits, cache.misses) == (1, 1)
+    cache[tokens] = states[1]  # written again, whole
+    assert np.array_equal(cache[tokens].input_ids[: 2 * C], tokens[: 2 * C])
 
 
 def test_a_hit_keeps_the_seed_and_is_recorded_at_its_level(tmp_path: Path) -> None:

@@ -81,6 +81,29 @@ def test_sliding_window_slots_are_not_shared_and_say_why(tmp_path: Path) -> None
     assert not (tmp_path / "store").exists()  # refused before the store was opened
 
 
+def test_a_prefix_whose_last_chunk_names_a_lost_skeleton_loads_the_chunks_before(tmp_path: Path) -> None:
+    """A 48-token slot, then an 80-token one that starts with it (its first three chunks exist:
+    skipped, they name the first upload's skeleton). The second skeleton lost (evicted, deleted):
+    the load ends the prefix before the chunk that names it, and loads the 48 tokens. It raised,
+    so the proxy set the store aside for every request, again at every request with that prefix."""
+    rng = np.random.default_rng(0)
+    fingerprint = {"arch": "test", "n_layer": 2, "n_embd": 64, "type_k": "f16", "type_v": "f16"}
+    sharing = Sharing((tmp_path / "store").as_uri(), fingerprint, 256, chunk_tokens=16)
+    tokens = np.arange(100, 180, dtype=np.int32)
+    for n in (48, 80):
+        sharing.upload(
+            seq_buffer_to_slot_file(seq_buffer(kv_cache_bytes(rng, cells_per_stream=(n,))), tokens[:n])
+        )
+    skeletons = sorted((tmp_path / "store" / PREFIX / "skeletons").iterdir(), key=lambda p: p.stat().st_mtime)
+    assert len(skeletons) == 2
+    skeletons[1].unlink()
+    loaded = sharing.load(tokens, 0)
+    assert loaded.slot_file is not None and loaded.positions == 48 and loaded.chunks == 3
+    assert np.array_equal(read_slot_file(loaded.slot_file)[0], tokens[:48])
+    skeletons[0].unlink()  # nothing left that loads: a miss, not an error
+    assert sharing.load(tokens, 0).slot_file is None
+
+
 def test_slot_file_refusals() -> None:
     with pytest.raises(CorruptDataError):
         read_slot_file(b"ggsq")

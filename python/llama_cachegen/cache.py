@@ -220,7 +220,7 @@ class CompressedStateCache(BaseLlamaCache):
                 state, used, lossy = self._read(match, prefix, fingerprint)
                 break
             except chunks.ChunkMissingError as exc:  # evicted by another process since the lookup
-                match.cut(exc.index)
+                match.cut(exc.chunk)
             except EntryNotFoundError:  # a snapshot evicted since the lookup
                 self.misses += 1
                 raise KeyError("cached prefix evicted meanwhile") from None
@@ -230,7 +230,18 @@ class CompressedStateCache(BaseLlamaCache):
                 self.misses += 1
                 raise KeyError(f"cached prefix not read: {exc}") from exc
             except CacheGenError as exc:  # damaged, foreign or forged: drop it, miss rather than fail
-                self._drop(match)
+                if exc.chunk is not None and not self._recurrent:
+                    # one chunk's: it goes, and the chunks before it, which other prompts share,
+                    # serve (dropping the whole chain cost every prompt through it its hits)
+                    _log.warning(
+                        "prompt cache: chunk %d unusable, the prefix ends before it: %s", exc.chunk, exc
+                    )
+                    self._drop(match.keys[exc.chunk : exc.chunk + 1])
+                    match.cut(exc.chunk)
+                    if match.chunks:
+                        continue
+                else:
+                    self._drop(match.keys)
                 self.misses += 1
                 raise KeyError(f"unusable cached prefix: {exc}") from exc
         self._mark_used(used)
@@ -305,14 +316,15 @@ class CompressedStateCache(BaseLlamaCache):
         codec.decode_into(blob, state, threads=self.threads)
         return state, lossy
 
-    def _drop(self, match: chunks.PrefixMatch) -> None:
-        for k in match.keys:
+    def _drop(self, keys: list[str]) -> None:
+        """Deletes the chunks of these chain keys (snapshots: these keys)."""
+        for k in keys:
             with contextlib.suppress(CacheGenError, OSError):  # a store that fails: the miss stands
                 self.store.delete(k if self._recurrent else chunks._chunk_key(k, self.level))
 
     def _discard(self, match: chunks.PrefixMatch) -> None:
         """A prefix llama.cpp refused after all (see llama_cachegen.Llama.load_state): a miss."""
-        self._drop(match)
+        self._drop(match.keys)
         self.hits -= 1
         self.misses += 1
 

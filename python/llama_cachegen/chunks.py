@@ -46,6 +46,7 @@ from .errors import (
     EntryNotFoundError,
     InvalidArgumentError,
     ModelMismatchError,
+    StoreError,
     UnsupportedVersionError,
 )
 from .llama import (
@@ -660,7 +661,16 @@ class _ChunkReader:
         return self._thread_bytes.get(thread_id, 0)
 
     def fetch(self, i: int, levels: Sequence[str] | None = None) -> _Fetched:
-        """Chunk i at the first of `levels` (default: its candidates) that the store has."""
+        """Chunk i at the first of `levels` (default: its candidates) that the store has; an error
+        of the chunk itself (not of the store) names it (CacheGenError.chunk)."""
+        try:
+            return self._fetch(i, levels)
+        except CacheGenError as exc:
+            if not isinstance(exc, StoreError):
+                exc.chunk = i
+            raise
+
+    def _fetch(self, i: int, levels: Sequence[str] | None) -> _Fetched:
         start = time.perf_counter()
         orphaned = False
         for level in self.candidates[i] if levels is None else levels:
@@ -716,12 +726,12 @@ class _ChunkReader:
 
 
 class ChunkMissingError(EntryNotFoundError):
-    """Chunk `index` of a prefix cannot be read (gone since the lookup, or it names statistics or,
+    """Chunk `chunk` of a prefix cannot be read (gone since the lookup, or it names statistics or,
     as the prefix's last, a skeleton that are gone): the chunks before it may still serve."""
 
     def __init__(self, message: str, index: int) -> None:
         super().__init__(message)
-        self.index = index
+        self.chunk = index
 
 
 def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> int:
@@ -759,6 +769,10 @@ def _assemble(
         # the last chunk named it: the prefix cannot end there (the chunk is kept: a longer
         # prefix through it ends at a chunk naming a skeleton that may be there)
         raise ChunkMissingError(f"{exc}, named by the last chunk", len(reader.keys) - 1) from exc
+    except CorruptDataError as exc:  # damaged, so removed: likewise
+        if ready:
+            exc.chunk = len(reader.keys) - 1
+        raise
     n_pos = len(reader.tokens)
     bound = _state_bound(reader.fingerprint, n_pos, skeleton)
     state = codec.skeleton_state(skeleton, n_pos, max_size=bound, alloc=codec.empty_buffer)
@@ -802,7 +816,9 @@ def _damaged_in(
         try:
             codec.decode_chunk(got.chunk, got.stats, state, threads=1)
         except CorruptDataError as alone:
-            return reader.discard_damaged(alone, _chunk_key(got.meta.key, got.level), got.chunk)
+            damaged = reader.discard_damaged(alone, _chunk_key(got.meta.key, got.level), got.chunk)
+            damaged.chunk = reader.keys.index(got.meta.key)
+            return damaged
     return exc
 
 
@@ -1000,7 +1016,7 @@ def load_prefix(
                 state, skeleton, figures = _assemble(reader, None, threads)
                 break
             except ChunkMissingError as exc:
-                match.cut(exc.index)
+                match.cut(exc.chunk)
     target = _target("all" if codec.inspect(skeleton)["kind"] == "full_buffer" else "seq", seq_id)
     t2 = time.perf_counter()
     restore_context(llm, state, target, prefix, None, figures["lossy"])

@@ -8,6 +8,9 @@ class CacheGenError(Exception):
 
     status: int = -11
     status_name: str = "LCG_ERR_INTERNAL"
+    # the index of the chunk of a prefix that failed (damaged, forged, of another model), where
+    # one did: the chunks before it may still serve
+    chunk: int | None = None
 
 
 class InvalidArgumentError(CacheGenError, ValueError):

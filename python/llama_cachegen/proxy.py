@@ -354,13 +354,26 @@ class Sharing:
         level = self.choose_level(match.levels, match.positions)
         if level is None:
             return Loaded(None, match.positions, match.chunks)
-        # this level first; a chunk evicted since the lookup falls back to the others it has
-        candidates = [(level, *(lv for lv in lvs if lv != level)) for lvs in match.levels]
-        prefix = np.ascontiguousarray(tokens[: match.positions], dtype=np.intc)
-        reader = chunks._ChunkReader(
-            store, self.fingerprint, prefix, self.chunk_tokens, match.keys, candidates
-        )
-        state, skeleton, figures = chunks._assemble(reader, None, self.threads)
+        while True:
+            # this level first; a chunk evicted since the lookup falls back to the others it has
+            candidates = [(level, *(lv for lv in lvs if lv != level)) for lvs in match.levels]
+            prefix = np.ascontiguousarray(tokens[: match.positions], dtype=np.intc)
+            reader = chunks._ChunkReader(
+                store, self.fingerprint, prefix, self.chunk_tokens, match.keys, candidates
+            )
+            try:
+                state, skeleton, figures = chunks._assemble(reader, None, self.threads)
+                break
+            except CacheGenError as exc:
+                if exc.chunk is None:  # the store's, not a chunk's: the caller backs off
+                    raise
+                # a chunk gone since the lookup, or damaged (removed), forged, or naming what the
+                # store lacks: the chunks before it serve (failing the load failed every request
+                # with that prefix, and set the store aside for everyone)
+                log.warning("prefix load: chunk %d unusable, the prefix ends before it: %s", exc.chunk, exc)
+                match.cut(exc.chunk)
+                if match.positions <= held:
+                    return Loaded(None, match.positions, match.chunks)
         if codec.inspect(skeleton)["kind"] != "seq_buffer":
             raise CorruptDataError("the prefix's skeleton is not a sequence state (saved by another tool)")
         if figures["fetch_s"] > 0:
