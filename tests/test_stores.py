@@ -595,6 +595,40 @@ def test_listings_hold_only_keys_a_store_can_delete(tmp_path: Path, redis_url: s
         client.close()
 
 
+def test_a_redis_store_keeps_its_lru_set_in_step_on_the_servers_clock(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The LRU clock is the server's (a client an hour behind stored entries an hour old, and its
+    own eviction took them first); a use registers a value the set lost (it stayed invisible to
+    listings and eviction for good), a listing drops members whose value is gone (the set grew);
+    the set's own name is no key (writing it broke every later put and listing); a misspelt option
+    fails at open (it escaped at the first command as redis-py's TypeError)."""
+    import redis
+
+    prefix = f"t{os.getpid()}-lru:"
+    client = redis.Redis.from_url(redis_url)
+    with open_store(f"{redis_url}?prefix={prefix}") as store:
+        real = time.time()
+        monkeypatch.setattr(time, "time", lambda: real - 3600)  # this client's clock, an hour behind
+        store.put("a/one.bin", b"1")
+        store.put("a/two.bin", b"2")
+        monkeypatch.undo()
+        assert all(abs(e.mtime - time.time()) < 60 for e in store.list())
+        client.delete(f"{prefix}__lru__")  # the set lost (an operator, a partial restore)
+        assert store.list() == []
+        store.mark_used(["a/one.bin", "a/gone.bin"])
+        assert [e.key for e in store.list()] == ["a/one.bin"]
+        client.delete(f"{prefix}a/one.bin")  # a value gone behind the store's back
+        assert store.list() == [] and client.zcard(f"{prefix}__lru__") == 0
+        for call in (lambda: store.put("__lru__", b"x"), lambda: store.get("__lru__")):
+            with pytest.raises(InvalidArgumentError, match="LRU set"):
+                call()
+        assert client.type(f"{prefix}__lru__") in (b"zset", b"none")
+    client.close()
+    with pytest.raises(InvalidArgumentError, match="option"):
+        open_store(f"{redis_url}?prefx=app:")
+
+
 class _Hostile(http.server.BaseHTTPRequestHandler):
     """A server that answers what a store's client must not take: redirects and bad listings."""
 

@@ -1,19 +1,34 @@
 """A store in a Redis server (redis-py): `redis://host:port[/db][?prefix=name:]`.
 
 Values are plain Redis strings under `<prefix><key>`; a sorted set `<prefix>__lru__` holds each
-key's last-use time. Every write is one MULTI/EXEC transaction, so a client that dies mid-send
-leaves nothing behind.
+key's last-use time, on the server's clock (TIME: clients on hosts whose clocks differ evicted
+each other's newest entries). Every write is one MULTI/EXEC transaction, so a client that dies
+mid-send leaves nothing behind. A use (`mark_used`) registers a value the set lacks again (the
+set lost, or written by a client of another prefix layout); a listing drops members whose value
+is gone.
 """
 
 from __future__ import annotations
 
-import time
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import EntryNotFoundError, StoreError
+from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
 from . import AuthKey, EntryInfo, Store, check_key, is_key
+
+_LRU = "__lru__"  # the sorted set's name after the prefix: no key may take it
+# marks KEYS[2..] (values) used now on the server's clock, a microsecond apart, in the set KEYS[1]
+# under the members ARGV; a value that is gone is not added
+_MARK_USED = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+for i = 1, #ARGV do
+  if redis.call('EXISTS', KEYS[i + 1]) == 1 then
+    redis.call('ZADD', KEYS[1], now + (i - 1) / 1000000, ARGV[i])
+  end
+end
+"""
 
 
 class RedisStore(Store):
@@ -29,7 +44,7 @@ class RedisStore(Store):
         query = urllib.parse.parse_qs(parts.query)
         self.prefix = query.pop("prefix", ["lcg:"])[0]
         self.url = url
-        self._lru = f"{self.prefix}__lru__"
+        self._lru = self.prefix + _LRU
         rest = urllib.parse.urlencode(query, doseq=True)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError,)
         self._closed = False
@@ -37,6 +52,24 @@ class RedisStore(Store):
             self._redis: Any = redis.Redis.from_url(urllib.parse.urlunsplit(parts._replace(query=rest)))
         except (ValueError, redis.RedisError) as exc:
             raise StoreError(f"cannot open {url}: {exc}") from exc
+        pool = self._redis.connection_pool
+        try:  # a connection object, not connected: a misspelt option fails here, not at first use
+            pool.connection_class(**pool.connection_kwargs)
+        except TypeError as exc:
+            raise InvalidArgumentError(
+                f"cannot open {url}: an option redis-py does not take ({exc})"
+            ) from exc
+        self._mark = self._redis.register_script(_MARK_USED)
+
+    def _name(self, key: str) -> str:
+        """The Redis key of a store key (checked; the LRU set's own name is none)."""
+        if check_key(key) == _LRU:
+            raise InvalidArgumentError(f"{_LRU!r} names the store's LRU set in a Redis store: not a key")
+        return self.prefix + key
+
+    def _now(self) -> float:
+        seconds, micros = self._call("TIME", self._redis.time)
+        return seconds + micros / 1e6
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -50,37 +83,45 @@ class RedisStore(Store):
             raise StoreError(f"redis {what} on {self.url}: the store was closed") from exc
 
     def _get(self, key: str) -> bytes:
-        value = self._call("GET", self._redis.get, self.prefix + key)
+        value = self._call("GET", self._redis.get, self._name(key))
         if value is None:
             raise EntryNotFoundError(f"{key!r} not in {self.url}")
         return bytes(value)
 
     def _put(self, key: str, data: bytes) -> None:
+        name, now = self._name(key), self._now()
         pipe = self._redis.pipeline(transaction=True)
-        pipe.set(self.prefix + key, data)
-        pipe.zadd(self._lru, {key: time.time()})
+        pipe.set(name, data)
+        pipe.zadd(self._lru, {key: now})
         self._call("SET", pipe.execute)
 
     def delete(self, key: str) -> bool:
+        name = self._name(key)
         pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(self.prefix + check_key(key))
+        pipe.delete(name)
         pipe.zrem(self._lru, key)
         return bool(self._call("DEL", pipe.execute)[0])
 
     def exists(self, key: str) -> bool:
-        return bool(self._call("EXISTS", self._redis.exists, self.prefix + check_key(key)))
+        return bool(self._call("EXISTS", self._redis.exists, self._name(key)))
 
     def list(self, prefix: str = "") -> list[EntryInfo]:
         members = self._call("ZRANGE", self._redis.zrange, self._lru, 0, -1, withscores=True)
         # any client of the server can add members: one that is no key of ours is skipped
         named = ((m.decode("utf-8", "replace"), score) for m, score in members)
-        keys = [(key, score) for key, score in named if key.startswith(prefix) and is_key(key)]
+        keys = [
+            (key, score) for key, score in named if key.startswith(prefix) and is_key(key) and key != _LRU
+        ]
         pipe = self._redis.pipeline(transaction=False)
         for key, _ in keys:
             pipe.exists(self.prefix + key)
             pipe.strlen(self.prefix + key)
         replies = self._call("STRLEN", pipe.execute) if keys else []
-        # an entry deleted by another client between the two calls is skipped
+        # an entry deleted by another client between the two calls is skipped; a member whose value
+        # is gone otherwise (evicted by Redis, deleted by hand) goes, or the set grows for good
+        gone = [k for (k, _), there in zip(keys, replies[::2], strict=False) if not there]
+        if gone:
+            self._call("ZREM", self._redis.zrem, self._lru, *gone)
         return [
             EntryInfo(k, n, t)
             for (k, t), there, n in zip(keys, replies[::2], replies[1::2], strict=False)
@@ -88,10 +129,8 @@ class RedisStore(Store):
         ]
 
     def mark_used(self, keys: Sequence[str]) -> None:
-        if keys:  # one call; a microsecond apart (xx: a missing key is not added)
-            now = time.time()
-            scores = {check_key(key): now + i * 1e-6 for i, key in enumerate(keys)}
-            self._call("ZADD", self._redis.zadd, self._lru, scores, xx=True)
+        if keys:  # one call (_MARK_USED)
+            self._call("EVALSHA", self._mark, keys=[self._lru, *map(self._name, keys)], args=list(keys))
 
     def close(self) -> None:
         """Closes the connections, those with a reply being read too (their reads fail)."""
