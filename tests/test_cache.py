@@ -221,6 +221,25 @@ def test_eviction_keeps_what_the_kept_chunks_of_an_extended_context_name(
     assert cache[tokens[: 2 * C + 1]].n_tokens == 2 * C
 
 
+def test_a_damaged_skeleton_keeps_the_chunks_that_name_it(tmp_path: Path) -> None:
+    """A prompt of two chunks, then a longer one through them (its own chunks name its own
+    skeleton). The first skeleton damaged where it is stored: it goes, and the short prompt misses,
+    but its chunks are intact and stay: the long prompt still hits all four (they were removed)."""
+    llm = smollm()
+    words = sample_text("gpl-3.0.txt").split()
+    tokens = llm.tokenize(" ".join(words[:80]).encode())[: 4 * C + 3]
+    cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)
+    llm.eval(tokens[: 2 * C + 3])
+    cache[tokens[: 2 * C + 3]] = llm.save_state()
+    (first,) = (tmp_path / PREFIX / "skeletons").iterdir()
+    llm.eval(tokens[2 * C + 3 :])
+    cache[tokens] = llm.save_state()
+    first.write_bytes(first.read_bytes()[:-1] + b"?")
+    with pytest.raises(KeyError):
+        cache[tokens[: 2 * C + 1]]
+    assert not first.exists() and cache[tokens].n_tokens == 4 * C
+
+
 _WRITER = """
 import sys
 from llama_cachegen import CompressedStateCache, Llama

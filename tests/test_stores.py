@@ -350,6 +350,8 @@ def test_chunked_uploads_are_bounded_and_stalls_dropped(token_server: tuple[str,
     assert (root / "c" / "ok.bin").stat().st_size == 60000
     assert b" 413 " in _exchange(port, head % b"big.bin" + chunk * 2 + b"0\r\n\r\n")
     assert b" 408 " in _exchange(port, head % b"stall.bin" + chunk)  # --body-timeout 1, then silence
+    mark = b"POST /c/ HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Length: 100\r\n\r\n{"
+    assert b" 408 " in _exchange(port, mark)  # a mark_used body that stalls, likewise
     assert sorted(p.name for p in (root / "c").iterdir()) == ["ok.bin"]  # no entry, no temporary
 
 
@@ -625,8 +627,9 @@ def test_a_redis_store_keeps_its_lru_set_in_step_on_the_servers_clock(
                 call()
         assert client.type(f"{prefix}__lru__") in (b"zset", b"none")
     client.close()
-    with pytest.raises(InvalidArgumentError, match="option"):
-        open_store(f"{redis_url}?prefx=app:")
+    for option in ("prefx=app:", "protocol=4"):  # a misspelt option, a value redis-py refuses
+        with pytest.raises(InvalidArgumentError, match="option"):
+            open_store(f"{redis_url}?{option}")
 
 
 class _Hostile(http.server.BaseHTTPRequestHandler):

@@ -760,20 +760,25 @@ def test_prefill_speed_learns_the_slope_and_a_change_of_pace() -> None:
 
 
 def test_plans_that_miss_rank_by_their_end_then_by_the_smaller_fetch() -> None:
-    """Among plans that miss the deadline and end alike (the CPU's part the later), the one whose
-    fetch ends first wins, whatever its KL: a link slower than predicted still ends before the CPU,
-    and a link done early races the CPU's chunk. One ending clearly earlier wins outright."""
+    """Among plans that miss the deadline and end within _TICK_S of the earliest (the CPU's part the
+    later), the one whose fetch ends first wins, whatever its KL: a link slower than predicted
+    still ends before the CPU, and a link done early races the CPU's chunk. Alike is measured from
+    the earliest, not from one plan to the next: a run of plans each a little later than the one
+    before does not walk the choice away from the earliest. A plan that fits wins outright."""
 
     def plan(at_risk: float, link_risk: float, cost: float) -> stream._Plan:
         return stream._Plan("x", 3, at_risk, cost, False, at_risk, link_risk)
 
+    tick = stream._TICK_S
     cpu_bound = plan(2.30, 1.20, 5.0)  # CPU's part 2.30 s, its fetches (compact) done at 1.20 s
-    balanced = plan(2.30 + stream._TICK_S / 2, 2.29, 3.0)  # lower KL, its fetches end near the CPU
-    assert stream._better(cpu_bound, balanced) and not stream._better(balanced, cpu_bound)
-    sooner = plan(2.30 - 2 * stream._TICK_S, 2.20, 3.0)
-    assert stream._better(sooner, cpu_bound)
+    balanced = plan(2.30 + tick / 2, 2.29, 3.0)  # lower KL, its fetches end near the CPU
+    assert stream._pick([balanced, cpu_bound]) is cpu_bound
+    sooner = plan(2.30 - 2 * tick, 2.20, 3.0)
+    assert stream._pick([cpu_bound, balanced, sooner]) is sooner
+    walk = [plan(1.0 + k * 0.8 * tick, 1.0 - 0.01 * k, 1.0) for k in range(10)]  # each 0.8 tick later
+    assert stream._pick(walk) is walk[1]  # within a tick of the earliest, the smaller fetch
     fits = stream._Plan("x", 3, 9.0, 9.0, True, 9.0, 9.0)
-    assert stream._better(fits, sooner)
+    assert stream._pick([sooner, fits, cpu_bound]) is fits
 
 
 def test_trace_transfer_times() -> None:

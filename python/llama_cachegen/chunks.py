@@ -769,10 +769,10 @@ def _assemble(
         # the last chunk named it: the prefix cannot end there (the chunk is kept: a longer
         # prefix through it ends at a chunk naming a skeleton that may be there)
         raise ChunkMissingError(f"{exc}, named by the last chunk", len(reader.keys) - 1) from exc
-    except CorruptDataError as exc:  # damaged, so removed: likewise
-        if ready:
-            exc.chunk = len(reader.keys) - 1
-        raise
+    except CorruptDataError as exc:  # damaged, so removed: likewise (the chunk is intact)
+        if not ready:
+            raise
+        raise ChunkMissingError(f"{exc}, named by the last chunk", len(reader.keys) - 1) from exc
     n_pos = len(reader.tokens)
     bound = _state_bound(reader.fingerprint, n_pos, skeleton)
     state = codec.skeleton_state(skeleton, n_pos, max_size=bound, alloc=codec.empty_buffer)

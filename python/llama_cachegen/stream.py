@@ -724,20 +724,17 @@ class _Loader:
             return _Plan(following, x, finish, cost, finish <= deadline, at_risk, link_risk)
 
         pairs = list(zip(levels, levels[1:], strict=False)) or [(levels[0], levels[0])]
-        best: _Plan | None = None
+        candidates: list[_Plan] = []
         for x in range(m + (not fetch)) if self.both else range(1):
             for better, worse in pairs:
-                candidates = [plan(x, better, worse, 0)]
+                candidates.append(plan(x, better, worse, 0))
                 lo, hi = 0, m - x  # the most chunks at `better` that still fit: finish grows with n
-                if candidates[0].feasible:
+                if candidates[-1].feasible:
                     while lo < hi:
                         mid = (lo + hi + 1) // 2
                         lo, hi = (mid, hi) if plan(x, better, worse, mid).feasible else (lo, mid - 1)
                     candidates.append(plan(x, better, worse, lo))
-                for c in candidates:
-                    if best is None or _better(c, best):
-                        best = c
-        return best
+        return _pick(candidates) if candidates else None
 
     def _choose(self, j: int, now: float) -> tuple[str, str] | None:
         """(level, reason) for the fetch of chunk j; None: the CPU computes every undecided chunk."""
@@ -810,23 +807,24 @@ class _Loader:
         deadline = self._deadline(now)
         stretch = 1.0 / self._share()
         tokens = self.ranges[i][1] - self.ranges[i][0]
-        best = _Plan(
-            TEXT,
-            1,
-            self.cpu_free,
-            self._text_kl(i) * tokens,
-            self.cpu_free <= deadline,
-            self.cpu_free,
-            self.cpu_free,  # (no fetch, but racing one is free: ranked by its own end)
-        )
+        plans = [
+            _Plan(
+                TEXT,
+                1,
+                self.cpu_free,
+                self._text_kl(i) * tokens,
+                self.cpu_free <= deadline,
+                self.cpu_free,
+                self.cpu_free,  # (no fetch, but racing one is free: ranked by its own end)
+            )
+        ]
         for level in self.levels[i]:
             size = self._size(i, level)
             finish = now + self._net_s(size) + self._decode_s(level, size)
             at_risk = now + (finish - now) * stretch
             cost = self.kl.get(level, math.inf) * tokens
-            plan = _Plan(level, 0, finish, cost, finish <= deadline, at_risk, at_risk)
-            if _better(plan, best):
-                best = plan
+            plans.append(_Plan(level, 0, finish, cost, finish <= deadline, at_risk, at_risk))
+        best = _pick(plans)
         if best.level == TEXT and not best.feasible and self.oracle is None and self.invs:
             # The CPU will be late and the link is idle: a bet on the latest fetch's rate (a link
             # that has recovered shows there first) costs nothing if it loses.
@@ -1512,20 +1510,22 @@ def _suffix_sums(values: list[float] | list[int]) -> list[float]:
     return out
 
 
-def _better(a: _Plan, b: _Plan) -> bool:
-    """Feasible first; then the lowest KL, the earliest, the least computed; else the earliest with
-    the link's margin (at_risk; ends within _TICK_S are alike: below what the estimates can tell),
-    then the smaller fetch (link_risk), the lowest KL."""
-    if a.feasible != b.feasible:
-        return a.feasible
-    if a.feasible:
-        # costs summed in another order differ in their last bits: those are equal, the earliest wins
-        if not math.isclose(a.cost, b.cost, rel_tol=1e-9, abs_tol=1e-12):
-            return a.cost < b.cost
-        return (a.finish, a.text) < (b.finish, b.text)
-    if not math.isclose(a.at_risk, b.at_risk, rel_tol=0.0, abs_tol=_TICK_S):
-        return a.at_risk < b.at_risk
-    return (a.link_risk, a.cost) < (b.link_risk, b.cost)
+def _pick(plans: list[_Plan]) -> _Plan:
+    """Among the plans that fit, the lowest KL, then the earliest, the least computed. When none
+    fits: among those ending within _TICK_S of the earliest with the link's margin (at_risk;
+    closer than the estimates can tell), the smaller fetch (link_risk), then the lowest KL."""
+    fitting = [p for p in plans if p.feasible]
+    if fitting:
+        best = fitting[0]
+        for p in fitting[1:]:
+            # costs summed in another order differ in their last bits: those are equal, the earliest wins
+            if not math.isclose(p.cost, best.cost, rel_tol=1e-9, abs_tol=1e-12):
+                best = p if p.cost < best.cost else best
+            elif (p.finish, p.text) < (best.finish, best.text):
+                best = p
+        return best
+    earliest = min(p.at_risk for p in plans)
+    return min((p for p in plans if p.at_risk <= earliest + _TICK_S), key=lambda p: (p.link_risk, p.cost))
 
 
 def load_streaming(

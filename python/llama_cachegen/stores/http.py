@@ -404,7 +404,11 @@ class _Server:
         if declared > MAX_MARK_BODY:
             return _closing(413, f"body over {MAX_MARK_BODY} bytes")
         try:
-            keys = json.loads(await request.read())["mark_used"]
+            body = await asyncio.wait_for(request.read(), self.body_timeout)
+        except asyncio.TimeoutError:
+            return _closing(408, f"no body data for {self.body_timeout:g} s")
+        try:
+            keys = json.loads(body)["mark_used"]
             if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
                 raise TypeError("mark_used is not a list of keys")
         except (ValueError, TypeError, KeyError, RecursionError) as exc:

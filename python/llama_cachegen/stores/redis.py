@@ -10,6 +10,7 @@ is gone.
 
 from __future__ import annotations
 
+import contextlib
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,15 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 for i = 1, #ARGV do
   if redis.call('EXISTS', KEYS[i + 1]) == 1 then
     redis.call('ZADD', KEYS[1], now + (i - 1) / 1000000, ARGV[i])
+  end
+end
+"""
+# removes from the set KEYS[1] the members ARGV whose value KEYS[2..] is still gone (a client that
+# wrote one again since a listing saw it gone keeps its member)
+_FORGET = """
+for i = 1, #ARGV do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 then
+    redis.call('ZREM', KEYS[1], ARGV[i])
   end
 end
 """
@@ -55,11 +65,12 @@ class RedisStore(Store):
         pool = self._redis.connection_pool
         try:  # a connection object, not connected: a misspelt option fails here, not at first use
             pool.connection_class(**pool.connection_kwargs)
-        except TypeError as exc:
+        except (TypeError, ValueError, redis.RedisError) as exc:
             raise InvalidArgumentError(
-                f"cannot open {url}: an option redis-py does not take ({exc})"
+                f"cannot open {url}: an option redis-py does not take, or a value it refuses ({exc})"
             ) from exc
         self._mark = self._redis.register_script(_MARK_USED)
+        self._forget = self._redis.register_script(_FORGET)
 
     def _name(self, key: str) -> str:
         """The Redis key of a store key (checked; the LRU set's own name is none)."""
@@ -121,7 +132,10 @@ class RedisStore(Store):
         # is gone otherwise (evicted by Redis, deleted by hand) goes, or the set grows for good
         gone = [k for (k, _), there in zip(keys, replies[::2], strict=False) if not there]
         if gone:
-            self._call("ZREM", self._redis.zrem, self._lru, *gone)
+            # best effort: a client that may only read (an ACL, a replica) still lists
+            with contextlib.suppress(StoreError):
+                names = [self.prefix + k for k in gone]
+                self._call("EVALSHA", self._forget, keys=[self._lru, *names], args=gone)
         return [
             EntryInfo(k, n, t)
             for (k, t), there, n in zip(keys, replies[::2], replies[1::2], strict=False)
