@@ -133,9 +133,13 @@ def test_kv_loaded_at_a_worse_level_is_not_cached_at_a_better_one(tmp_path: Path
         assert bool(chunk_objects(cache)) == stored, level
 
 
-def test_a_store_that_fails_never_fails_the_completion(tmp_path: Path) -> None:
+def test_a_store_that_fails_never_fails_the_completion(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A Redis store nobody listens on: every lookup is a miss and every save is skipped, with a
-    warning; the completion is returned as without a cache."""
+    warning; the completion is returned as without a cache. After a failure the store is skipped
+    for a while (a stalled store waited out its timeout at every lookup and every save: ~10 s per
+    completion), then tried again."""
     from llama_cachegen.server import free_port
 
     prompt = " ".join(sample_text("gfdl-1.3.txt").split()[:40])
@@ -143,10 +147,18 @@ def test_a_store_that_fails_never_fails_the_completion(tmp_path: Path) -> None:
     llm = smollm()
     cache = CompressedStateCache(f"redis://127.0.0.1:{free_port()}/0", level="balanced", chunk_tokens=C)
     llm.set_cache(cache)
-    assert greedy(llm, prompt, 4) == plain
-    llm.reset()
-    assert greedy(llm, prompt, 4) == plain
-    assert (cache.hits, cache.misses) == (0, 2)
+    with caplog.at_level("WARNING", logger="llama_cachegen.cache"):
+        assert greedy(llm, prompt, 4) == plain
+        llm.reset()
+        assert greedy(llm, prompt, 4) == plain
+        assert [r.message for r in caplog.records if "store skipped" in r.message] == [
+            caplog.records[0].message
+        ]
+        cache._down_until = 0.0  # the back-off over
+        llm.reset()
+        assert greedy(llm, prompt, 4) == plain
+        assert sum("store skipped" in r.message for r in caplog.records) == 2
+    assert (cache.hits, cache.misses) == (0, 3)
 
 
 def test_eviction_keeps_the_byte_capacity_and_is_lru(
@@ -475,5 +487,6 @@ def test_a_store_that_fails_during_a_hit_keeps_its_chunks(tmp_path: Path) -> Non
     assert greedy(llm, prompt, 4) == expected and (cache.hits, cache.misses) == (0, 1)
     store.failing = False
     assert {k: v for k, v in chunk_objects(cache).items() if k in before} == before
+    cache._down_until = 0.0  # the store skipped after its failure: not any more
     llm.reset()
     assert greedy(llm, prompt, 4) == expected and cache.hits == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,9 @@ from .stores import Store, open_store
 
 _log = logging.getLogger("llama_cachegen.cache")
 SNAPSHOTS = f"{chunks.PREFIX}snapshots/"  # whole contexts of models with a recurrent state
+# after the store fails (down, stalled: each call waits out its timeout), lookups and saves skip
+# it for this long: a stalled Redis added ~10 s to every completion
+STORE_BACKOFF_S = 10.0
 
 
 class _CachedState(llama_cpp.llama.LlamaState):
@@ -111,6 +115,7 @@ class CompressedStateCache(BaseLlamaCache):
         self.threads = threads
         self.namespace = "unbound"
         self.hits = self.misses = 0
+        self._down_until = 0.0  # time.monotonic() until which the store is skipped
         self._fingerprint: dict[str, Any] | None = None
         self._llm: weakref.ref[llama_cpp.Llama] | None = None
         self._n_ctx: int | None = None
@@ -190,14 +195,22 @@ class CompressedStateCache(BaseLlamaCache):
         match.cut(next((i for i, lv in enumerate(match.levels) if self.level not in lv), match.chunks))
         return match
 
+    def _store_failed(self, what: str, exc: BaseException) -> None:
+        self._down_until = time.monotonic() + STORE_BACKOFF_S
+        _log.warning("prompt cache: %s: %s (store skipped for %g s)", what, exc, STORE_BACKOFF_S)
+
     def _lookup(self, key: Sequence[int]) -> chunks.PrefixMatch:
-        """_match, with a store that fails (down, unreadable) a miss, warned: the cache never
-        fails the completion it serves."""
+        """_match, with a store that fails (down, unreadable) a miss, warned and skipped for a while
+        (STORE_BACKOFF_S): the cache never fails, nor holds up, the completion it serves."""
+        nothing = chunks.PrefixMatch(self.chunk_tokens, 0, 0, [], [])
+        if time.monotonic() < self._down_until:
+            self._bound()
+            return nothing
         try:
             return self._match(key)
         except (StoreError, OSError) as exc:  # not a cache without its model: that is raised
-            _log.warning("prompt cache: lookup failed, a miss: %s", exc)
-            return chunks.PrefixMatch(self.chunk_tokens, 0, 0, [], [])
+            self._store_failed("lookup failed, a miss", exc)
+            return nothing
 
     def _find_longest_prefix_key(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
         match = self._lookup(key)
@@ -226,7 +239,10 @@ class CompressedStateCache(BaseLlamaCache):
                 raise KeyError("cached prefix evicted meanwhile") from None
             except (StoreError, NativeMemoryError, OSError) as exc:  # the store or memory failed,
                 # not the chunks (they were dropped too, on a timeout): a miss that keeps them
-                _log.warning("prompt cache: hit not read, a miss: %s", exc)
+                if isinstance(exc, NativeMemoryError):
+                    _log.warning("prompt cache: hit not read, a miss: %s", exc)
+                else:
+                    self._store_failed("hit not read, a miss", exc)
                 self.misses += 1
                 raise KeyError(f"cached prefix not read: {exc}") from exc
             except CacheGenError as exc:  # damaged, foreign or forged: drop it, miss rather than fail
@@ -332,9 +348,13 @@ class CompressedStateCache(BaseLlamaCache):
         """Stores the state's complete chunks the store lacks. A store that fails (full, read-only,
         down) loses the cache entry, never the completion llama-cpp-python is returning: warned."""
         fingerprint = self._bound()  # a cache without its model is the caller's error: raised
+        if time.monotonic() < self._down_until:
+            return
         try:
             self._store_state(value, fingerprint)
-        except (CacheGenError, OSError) as exc:
+        except (StoreError, OSError) as exc:
+            self._store_failed("state not stored", exc)
+        except CacheGenError as exc:
             _log.warning("prompt cache: state not stored: %s", exc)
 
     def _store_state(self, value: llama_cpp.llama.LlamaState, fingerprint: dict[str, Any]) -> None:
