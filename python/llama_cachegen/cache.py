@@ -49,13 +49,10 @@ from .llama import (
     worse_load,
 )
 from .model import cache_dir
-from .stores import Store, open_store
+from .stores import STORE_BACKOFF_S, Store, open_store
 
 _log = logging.getLogger("llama_cachegen.cache")
 SNAPSHOTS = f"{chunks.PREFIX}snapshots/"  # whole contexts of models with a recurrent state
-# after the store fails (down, stalled: each call waits out its timeout), lookups and saves skip
-# it for this long: a stalled Redis added ~10 s to every completion
-STORE_BACKOFF_S = 10.0
 
 
 class _CachedState(llama_cpp.llama.LlamaState):
@@ -195,7 +192,11 @@ class CompressedStateCache(BaseLlamaCache):
         match.cut(next((i for i, lv in enumerate(match.levels) if self.level not in lv), match.chunks))
         return match
 
+    def _store_ok(self) -> bool:
+        return time.monotonic() >= self._down_until
+
     def _store_failed(self, what: str, exc: BaseException) -> None:
+        # lookups and saves skip it a while (a stalled Redis added ~10 s to every completion)
         self._down_until = time.monotonic() + STORE_BACKOFF_S
         _log.warning("prompt cache: %s: %s (store skipped for %g s)", what, exc, STORE_BACKOFF_S)
 
@@ -203,7 +204,7 @@ class CompressedStateCache(BaseLlamaCache):
         """_match, with a store that fails (down, unreadable) a miss, warned and skipped for a while
         (STORE_BACKOFF_S): the cache never fails, nor holds up, the completion it serves."""
         nothing = chunks.PrefixMatch(self.chunk_tokens, 0, 0, [], [])
-        if time.monotonic() < self._down_until:
+        if not self._store_ok():
             self._bound()
             return nothing
         try:
@@ -348,7 +349,7 @@ class CompressedStateCache(BaseLlamaCache):
         """Stores the state's complete chunks the store lacks. A store that fails (full, read-only,
         down) loses the cache entry, never the completion llama-cpp-python is returning: warned."""
         fingerprint = self._bound()  # a cache without its model is the caller's error: raised
-        if time.monotonic() < self._down_until:
+        if not self._store_ok():
             return
         try:
             self._store_state(value, fingerprint)

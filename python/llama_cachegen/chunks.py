@@ -729,9 +729,9 @@ class ChunkMissingError(EntryNotFoundError):
     """Chunk `chunk` of a prefix cannot be read (gone since the lookup, or it names statistics or,
     as the prefix's last, a skeleton that are gone): the chunks before it may still serve."""
 
-    def __init__(self, message: str, index: int) -> None:
+    def __init__(self, message: str, chunk: int) -> None:
         super().__init__(message)
-        self.chunk = index
+        self.chunk = chunk
 
 
 def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> int:
@@ -763,15 +763,11 @@ def _assemble(
         skeleton_id = ready[0].meta.skeleton_id
     try:
         skeleton = reader.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton")
-    except EntryNotFoundError as exc:
+    except (EntryNotFoundError, CorruptDataError) as exc:  # gone, or damaged (so removed)
         if not ready:
             raise
         # the last chunk named it: the prefix cannot end there (the chunk is kept: a longer
         # prefix through it ends at a chunk naming a skeleton that may be there)
-        raise ChunkMissingError(f"{exc}, named by the last chunk", len(reader.keys) - 1) from exc
-    except CorruptDataError as exc:  # damaged, so removed: likewise (the chunk is intact)
-        if not ready:
-            raise
         raise ChunkMissingError(f"{exc}, named by the last chunk", len(reader.keys) - 1) from exc
     n_pos = len(reader.tokens)
     bound = _state_bound(reader.fingerprint, n_pos, skeleton)

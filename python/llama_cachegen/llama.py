@@ -717,13 +717,12 @@ def restore_context(
             "and a sliding-window cache holds its window and one n_ubatch)",
         )
     n_pos = _positions(llm, target)
+    message = f"the state holds {n_pos} positions but its token list has {tokens.size} ids"
     if tokens.size > n_pos:
-        message = f"the state holds {n_pos} positions but its token list has {tokens.size} ids"
         _put_back(llm, backup, target, CorruptDataError, message)
     if target in (None, 0) and 0 < tokens.size < n_pos and has_recurrent_state(llm):
         # llama-cpp-python's next eval would drop the positions past the tokens: a recurrent
         # state cannot be cut back (llama_decode failed)
-        message = f"the state holds {n_pos} positions but its token list has {tokens.size} ids"
         _put_back(
             llm, backup, target, UnsupportedFormatError, message + ", which a recurrent state cannot drop"
         )

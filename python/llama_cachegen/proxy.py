@@ -102,7 +102,6 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _TAIL_BYTES = 1 << 16  # the end of a response, where llama-server puts its timings
-_STORE_BACKOFF_S = 10.0  # after a store error, requests skip the store for this long
 _START_WAIT_S = 120.0  # how long start-up waits for the server to answer /props
 _LOAD_WAIT_S = 10.0  # longest a prefix load may take before the server's speed is measured
 _MIN_LOAD_S = 1.0  # ... and at least this long after
@@ -772,9 +771,9 @@ class Proxy:
 
     def _store_failed(self, what: str, exc: BaseException) -> None:
         self.stats.store_errors += 1
-        self._store_down_until = time.monotonic() + _STORE_BACKOFF_S
+        self._store_down_until = time.monotonic() + stores.STORE_BACKOFF_S
         log.warning(
-            "%s: %s (the server computes as usual; store skipped for %g s)", what, exc, _STORE_BACKOFF_S
+            "%s: %s (the server computes as usual; store skipped for %g s)", what, exc, stores.STORE_BACKOFF_S
         )
 
     async def _restore_prefix(self, slot: _Slot, tokens: np.ndarray) -> tuple[int, int]:

@@ -603,6 +603,10 @@ class _Loader:
             return None
         return (now - since) / max(1, received - before)
 
+    def _estimated(self) -> bool:
+        """Whether the link's time can be predicted: an oracle, or a rate (_inv)."""
+        return self.oracle is not None or self._inv() is not None
+
     def _net_s(self, nbytes: float) -> float:
         if self.oracle is not None:
             return self.oracle(int(nbytes))
@@ -685,7 +689,7 @@ class _Loader:
         (recent tokens weigh most in the model's next steps), so that a budget between two
         levels is spent rather than dropping every chunk to the lower one. `fetch`: a plan that
         fetches at least one chunk."""
-        if not undecided or (self.oracle is None and self._inv() is None):
+        if not undecided or not self._estimated():
             return None
         deadline = self._deadline(now)
         stretch = 1.0 / self._share()  # the link's margin, for at_risk
@@ -802,7 +806,7 @@ class _Loader:
         deadline, also when the latest fetch's rate would bring the smallest level first. The CPU
         stops at its next piece if the fetch arrives first."""
         i = self.computing
-        if i is None or i in self.jobs or self.done[i] or (self.oracle is None and self._inv() is None):
+        if i is None or i in self.jobs or self.done[i] or not self._estimated():
             return
         deadline = self._deadline(now)
         stretch = 1.0 / self._share()
@@ -896,7 +900,7 @@ class _Loader:
         there) whose fetch at a better level gains the most KL per byte and is due by _latest
         (the latest chunk among equals); none being fetched again, nor one that the CPU computes
         or will compute again."""
-        if self.oracle is None and self._inv() is None:
+        if not self._estimated():
             return None
         latest = self._latest()
         best: tuple[float, int, str] | None = None
@@ -967,7 +971,7 @@ class _Loader:
             return []
         n = len(self.plan)
         link = [math.inf] * (n + 1)  # link[i]: when the link would have chunks i.. at their best
-        if self.oracle is not None or self._inv() is not None:
+        if self._estimated():
             link[n] = self._link_end(now)
             for i in range(n - 1, k - 1, -1):
                 size = 0.0 if self._at_best(i) or i in self.jobs else self._size(i, self.levels[i][0])
@@ -1009,7 +1013,7 @@ class _Loader:
         return False
 
     def _start(self, j: int, level: str, now: float) -> None:
-        predicted = self._net_s(self._size(j, level)) if (self.oracle or self._inv()) else 0.0
+        predicted = self._net_s(self._size(j, level)) if self._estimated() else 0.0
         job = _Job(self.reader, j, level, predicted_s=predicted, on_done=self._fetched)
         self.jobs[j] = job
         self.current = job

@@ -41,6 +41,11 @@ _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 AuthKey = bytes | str | None
 
 
+# after a store error, its users (the prompt cache, the proxy) skip it for this long: a store that
+# stalls makes each call wait out its timeout
+STORE_BACKOFF_S = 10.0
+
+
 @dataclass(frozen=True)
 class EntryInfo:
     key: str
