@@ -209,6 +209,27 @@ def test_snapshots_keep_their_level_their_sequence_and_their_neighbours(tmp_path
     assert {p for p in tmp_path.rglob("*") if p.is_file()} == kept
 
 
+def test_a_snapshot_below_its_caches_level_is_refused(tmp_path: Path, hybrid: Path) -> None:
+    """A snapshot filed under `balanced` that holds compact K/V (written by another tool, or
+    forged in a store without a key): refused as corrupt, a miss, and it goes; one that is better
+    than its level (lossless) serves."""
+    llm = make(hybrid)
+    llm.eval(TOKENS[:100])
+    cache = CompressedStateCache(tmp_path.as_uri(), chunk_tokens=C, level="balanced", model=llm)
+    key = cache._snapshot_key(np.asarray(TOKENS[:100], np.intc))
+    meta = StateMeta(model_fingerprint(llm), "all", None, 1024, np.asarray(TOKENS[:100], np.intc))
+    state = capture_state(llm, None)
+    for level, hits in (("compact", 0), ("lossless", 1)):
+        cache.store.put(key, codec.encode(state, level, kind="full_buffer", user_meta=meta.pack()))
+        assert (TOKENS[:120] in cache) and cache.hits == 0
+        if hits:
+            assert cache[TOKENS[:120]].n_tokens == 100 and cache.hits == 1
+        else:
+            with pytest.raises(KeyError, match="below the cache's balanced"):
+                cache[TOKENS[:120]]
+            assert not cache.store.exists(key)
+
+
 def test_a_hybrid_state_names_every_position_or_none(tmp_path: Path, hybrid: Path, source: lcg.Llama) -> None:
     """Fewer token ids than positions are fine where llama-cpp-python's next eval drops the rest;
     a recurrent state cannot be cut back (that eval failed in llama_decode): refused at the save,
