@@ -355,6 +355,21 @@ def test_chunked_uploads_are_bounded_and_stalls_dropped(token_server: tuple[str,
     assert sorted(p.name for p in (root / "c").iterdir()) == ["ok.bin"]  # no entry, no temporary
 
 
+def test_a_compressed_upload_is_refused_not_inflated(token_server: tuple[str, Path]) -> None:
+    """aiohttp inflates a body sent with Content-Encoding: 51 KB of gzip stored 50 MB (bounded
+    only by --max-body). The server takes bytes as they are sent."""
+    base, root = token_server
+    bomb = gzip.compress(b"\0" * 90000)  # under --max-body once inflated too: only the encoding counts
+    for encoding in (b"gzip", b"deflate, identity"):
+        answer = _exchange(
+            int(base.rsplit(":", 1)[1]),
+            b"PUT /z.bin HTTP/1.1\r\n" + _AUTH + b"Content-Encoding: " + encoding + b"\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(bomb) + bomb,
+        )
+        assert answer.startswith(b"HTTP/1.1 415 "), answer[:200]
+    assert not (root / "z.bin").exists()
+
+
 def test_idle_connections_do_not_block_requests(token_server: tuple[str, Path]) -> None:
     base, _ = token_server
     port = int(base.rsplit(":", 1)[1])

@@ -42,11 +42,13 @@ from .file import FileStore, PendingWrite
 
 TOKEN_ENV = "LLAMA_CACHEGEN_TOKEN"
 MAX_BODY = 8 << 30  # refuse uploads beyond this: a state of 8 GiB is already far past any real one
-MAX_MARK_BODY = 4 << 20  # a mark_used request's JSON: ~20,000 keys
+MAX_MARK_BODY = 1 << 20  # a mark_used request's JSON: ~10,000 keys (a 128K context's chain: ~1,500)
+MARKS_AT_ONCE = 4  # mark_used requests parsed at once: one takes ~20 MB of Python objects at most
 BODY_TIMEOUT_S = 60.0  # an upload that sends nothing for this long is dropped
 KEEPALIVE_S = 30.0  # idle connections (and connections that never send a request) are closed
 SWEEP_EVERY_S = 600.0  # how often the server removes the temporaries of uploads that died
 _CHUNK = 1 << 20
+_log = logging.getLogger("llama_cachegen.serve")
 _READ_PIECE = 1 << 18  # the most a client's read takes at once (it counts its progress per read)
 
 
@@ -307,6 +309,7 @@ class _Server:
     ):
         self.store, self.token, self.private = store, token, private
         self.max_body, self.body_timeout = max_body, body_timeout
+        self.marking = asyncio.Semaphore(MARKS_AT_ONCE)
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -321,7 +324,7 @@ class _Server:
                 try:
                     await self._run(self.store.sweep)
                 except Exception:  # logged; the next round tries again
-                    logging.getLogger("llama_cachegen.serve").exception("sweep failed")
+                    _log.exception("sweep failed")
                 await asyncio.sleep(SWEEP_EVERY_S)
 
         task = asyncio.create_task(sweep_forever())
@@ -347,6 +350,12 @@ class _Server:
             response = refuse(401, "a bearer token is required")
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
+        if (
+            request.method in ("PUT", "POST")
+            and request.headers.get("Content-Encoding", "identity") != "identity"
+        ):
+            # aiohttp would inflate it: a gzip bomb of 51 KB stored 50 MB
+            return _closing(415, "a body with a Content-Encoding is not accepted: send its bytes as they are")
         try:
             if request.method == "POST":
                 if not listing:
@@ -407,13 +416,14 @@ class _Server:
             body = await asyncio.wait_for(request.read(), self.body_timeout)
         except asyncio.TimeoutError:
             return _closing(408, f"no body data for {self.body_timeout:g} s")
-        try:
-            keys = json.loads(body)["mark_used"]
-            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                raise TypeError("mark_used is not a list of keys")
-        except (ValueError, TypeError, KeyError, RecursionError) as exc:
-            return _text(400, f"not a mark_used request: {exc}")
-        await self._run(self.store.mark_used, [check_key(f"{folder}/{k}" if folder else k) for k in keys])
+        async with self.marking:  # parsed, a body takes ~5x its size: 40 at once took 900 MB
+            try:
+                keys = json.loads(body)["mark_used"]
+                if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                    raise TypeError("mark_used is not a list of keys")
+            except (ValueError, TypeError, KeyError, RecursionError) as exc:
+                return _text(400, f"not a mark_used request: {exc}")
+            await self._run(self.store.mark_used, [check_key(f"{folder}/{k}" if folder else k) for k in keys])
         return web.Response(status=204)
 
     async def _put(self, request: web.Request, key: str) -> web.StreamResponse:
@@ -444,7 +454,11 @@ class _Server:
         except asyncio.TimeoutError:
             pending.abort()
             return _closing(408, f"no body data for {self.body_timeout:g} s")
-        except BaseException:  # a dropped connection included: store nothing
+        except ConnectionResetError:  # the client left mid-upload: nothing stored, nobody to answer
+            pending.abort()
+            _log.info("upload of %s: the client left after %d bytes", key, pending.size)
+            return _closing(400, "connection lost")
+        except BaseException:
             pending.abort()
             raise
         return web.Response(status=201)
