@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -367,7 +368,7 @@ def test_link_too_slow_for_the_skeleton_computes_every_chunk(
     report = stream.load_streaming(loader, url, slo_s=60.0, manifest=manifest)
     assert report.text_chunks == list(range(CHUNKS))
     assert all(rec.reason == "parallel" and rec.compute_ms > 0 for rec in report.records)
-    assert report.fallback is not None and "skeleton did not arrive" in report.fallback
+    assert report.fallback is not None and "before the skeleton arrived" in report.fallback
     assert report.state_bytes == 0 and report.expected_kl == 0.0
     _continues(loader, original)
 
@@ -603,6 +604,72 @@ def test_chunks_corrupted_again_and_again_are_computed(
     _continues(loader, original)
 
 
+@pytest.fixture
+def file_saved(original: dict[str, Any], tmp_path: Path) -> tuple[str, list[str]]:
+    """The context saved on a file store: its manifest URL and each chunk's lossless object key."""
+    url = f"{tmp_path.as_uri()}/ctx"
+    chunks.save_chunked(original["llm"], url, levels=LEVELS, chunk_tokens=C)
+    return url, [chunks._chunk_key(c.key, "lossless") for c in chunks.read_manifest(url).chunks]
+
+
+def test_a_level_gone_from_the_store_is_fetched_at_the_next_level_stored(
+    file_saved: tuple[str, list[str]], loader: Llama, tmp_path: Path
+) -> None:
+    """Chunk 2's best level was evicted: the load takes the level still stored, as a plain load
+    does, instead of computing the chunk and every chunk after it from text."""
+    url, lossless = file_saved
+    (tmp_path / lossless[2]).unlink()
+    report = stream.load_streaming(loader, url)
+    assert [rec.level for rec in report.records] == ["lossless"] * 2 + ["compact"] + ["lossless"] * 2
+    assert report.text_chunks == [] and report.fallback is None and loader.n_tokens == N
+
+
+def test_a_chunk_damaged_where_it_is_stored_is_removed_by_a_streaming_load(
+    file_saved: tuple[str, list[str]], loader: Llama, tmp_path: Path
+) -> None:
+    """A byte of chunk 2's body flipped on disk: the decode fails, the load removes the object
+    (a save skips objects that exist, and every load would fail on it) and takes the next level."""
+    url, lossless = file_saved
+    damaged = tmp_path / lossless[2]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x40  # inside the tensor data: the fetch's checks pass, the decode fails
+    damaged.write_bytes(bytes(data))
+    report = stream.load_streaming(loader, url)
+    assert not damaged.exists()
+    assert any("damaged where it is stored: removed" in f for f in report.failures)
+    assert report.records[2].level == "compact" and report.text_chunks == [] and loader.n_tokens == N
+
+
+def test_ctrl_c_while_a_chunk_is_computed_stops_the_load_and_puts_the_context_back(
+    file_saved: tuple[str, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT arriving inside llama.cpp's abort callback: Python raises the KeyboardInterrupt
+    there, in a ctypes callback, which printed it and went on: the load ran to its end. The load
+    now stops, puts the context back, and raises it."""
+    url, _ = file_saved
+    for key in chunks.read_manifest(url).chunks:  # every chunk computed from text
+        for level in LEVELS:
+            (tmp_path / chunks._chunk_key(key.key, level)).unlink()
+    target = _llama()
+    target.eval(target.tokenize(b"A context the interrupted load must leave as it was."))
+    before = capture_state(target, None)
+    calls = []
+    arrived = stream._Loader._fetch_arrived
+
+    def interrupted_in_the_callback(self: stream._Loader, data: Any) -> bool:
+        if self.computing is not None:
+            calls.append(1)
+            if len(calls) == 5:  # past the loop's own call: within llama_decode, on the main thread
+                os.kill(os.getpid(), signal.SIGINT)
+        return arrived(self, data)
+
+    monkeypatch.setattr(stream._Loader, "_fetch_arrived", interrupted_in_the_callback)
+    with pytest.raises(KeyboardInterrupt):
+        stream.load_streaming(target, url)
+    assert len(calls) < 50  # stopped at a call soon after the interrupt, not at the load's end
+    assert capture_state(target, None) == before
+
+
 def test_a_failed_load_without_text_fallback_leaves_the_context(relay: tuple[Relay, str]) -> None:
     r, url = relay
     target = _llama()
@@ -728,6 +795,27 @@ def test_cli_load_prints_the_report(stores_saved: dict[str, str]) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["tokens"] == N and len(report["chunks"]) == CHUNKS and report["slo_s"] == 60.0
+
+
+def test_cli_load_makes_the_context_the_saved_state_needs(gpl_tokens: list[int], tmp_path: Path) -> None:
+    """A context saved with flash attention and q8_0 caches (and one saved whole): `load` made its
+    context with llama-cpp-python's defaults, which refuse such a state, and had no option to
+    make another."""
+    llm = _llama(flash_attn=True, type_k=8, type_v=8)  # GGML_TYPE_Q8_0
+    llm.eval(gpl_tokens[:200])
+    url = f"{tmp_path.as_uri()}/ctx"
+    chunks.save_chunked(llm, url, levels=("lossless",), chunk_tokens=C)
+    llm.save_compressed_state(tmp_path / "whole.lcg", level="lossless")
+    for source in (url, str(tmp_path / "whole.lcg")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "llama_cachegen", "load", source, "--threads", "1", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(proc.stdout)["tokens"] == 200
 
 
 # ---- the prefill speed model, the trace and the relay alone --------------------------------------

@@ -47,6 +47,7 @@ from .errors import (
     InvalidArgumentError,
     ModelMismatchError,
     StoreError,
+    UnsupportedFormatError,
     UnsupportedVersionError,
 )
 from .llama import (
@@ -59,6 +60,7 @@ from .llama import (
     capture_meta,
     check_fingerprint,
     fingerprint_key,
+    has_recurrent_state,
     load_compressed_state,
     lossy_level,
     model_fingerprint,
@@ -1013,6 +1015,15 @@ def load_prefix(
                 break
             except ChunkMissingError as exc:
                 match.cut(exc.chunk)
+            except UnsupportedFormatError as exc:
+                if not has_recurrent_state(llm):
+                    raise
+                raise UnsupportedFormatError(
+                    f"{exc}: the stored context runs past the {match.positions} tokens of this prompt that "
+                    "whole chunks match, and this model's recurrent state is of its last token only; "
+                    "load it whole (load_chunked of its manifest) or use the prompt cache, which keeps "
+                    "whole contexts of such models"
+                ) from None
     target = _target("all" if codec.inspect(skeleton)["kind"] == "full_buffer" else "seq", seq_id)
     t2 = time.perf_counter()
     restore_context(llm, state, target, prefix, None, figures["lossy"])

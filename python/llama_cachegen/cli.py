@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -76,6 +77,17 @@ def _open_model(make: Callable[..., Any], path: str, **kwargs: Any) -> Any:
         raise InvalidArgumentError(f"cannot load the model {path}: {exc}") from None
 
 
+def _open_llama(path: str, n_ctx: int, threads: int, **kwargs: Any) -> Any:
+    """A quiet llama_cachegen.Llama whose prefill runs on `threads` too (llama-cpp-python's
+    n_threads_batch defaults to every core: `--threads 1` still prefilled, calibrated and computed
+    text chunks on all of them)."""
+    from .llama import Llama
+
+    return _open_model(
+        Llama, path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, **kwargs
+    )
+
+
 # --- demo -----------------------------------------------------------------------------------
 
 
@@ -103,10 +115,16 @@ def _answer(llm: Any, prompt: list[int], max_tokens: int) -> tuple[str, int]:
     return out["choices"][0]["text"], int(llama_cpp.llama_perf_context(llm.ctx).n_p_eval)
 
 
-def _demo_worker(args: argparse.Namespace) -> int:
-    from .llama import Llama, load_compressed_state, save_compressed_state
+def _speedup(prefill_s: float, load_s: float) -> str:
+    if load_s < prefill_s:
+        return f"{prefill_s / max(load_s, 1e-9):.0f}x faster"
+    return f"{load_s / max(prefill_s, 1e-9):.1f}x the prefill's time"
 
-    llm = _open_model(Llama, args.model, n_ctx=args.n_ctx, n_threads=args.threads, verbose=False)
+
+def _demo_worker(args: argparse.Namespace) -> int:
+    from .llama import load_compressed_state, save_compressed_state
+
+    llm = _open_llama(args.model, args.n_ctx, args.threads)
     question = llm.tokenize(DEMO_QUESTION.encode(), add_bos=False)
     result: dict[str, Any] = {}
     if args.role == "prefill":
@@ -201,10 +219,7 @@ def _demo(args: argparse.Namespace) -> int:
         (f"compressed ({args.level})", _size(first["compressed_bytes"])),
         ("ratio", f"{summary['ratio']:.2f}x"),
         ("prefill (process 1)", f"{first['prefill_s']:.2f} s"),
-        (
-            "load (process 2)",
-            f"{second['load_s']:.3f} s  ({first['prefill_s'] / max(second['load_s'], 1e-9):.0f}x faster)",
-        ),
+        ("load (process 2)", f"{second['load_s']:.3f} s  ({_speedup(first['prefill_s'], second['load_s'])})"),
         ("tokens evaluated after load", f"{second['evaluated']} (the question only)"),
         ("answer matches uncompressed", "yes" if match else "no"),
     ]
@@ -441,6 +456,9 @@ FLOOR_METHOD = "llama.cpp f16, flash attention (noise floor)"
 # a level and its reference both below this multiple of the floor: the text cannot tell them apart
 FLOOR_MARGIN = 1.5
 BROKEN_REFERENCE_KL = 0.25  # a reference cache type past this mean KL has lost the model's way
+# KL per token below this is float rounding: a model of f32 weights has a floor near 1e-16, where
+# "within 1.5x the floor" never holds, and verdicts between 1e-10 and 1e-9 would mean nothing
+NEGLIGIBLE_KL = 1e-6
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -525,7 +543,9 @@ def _eval(args: argparse.Namespace) -> int:
     floor = kl.get(FLOOR_METHOD)
     for p in promises.values():
         p["holds"] = p["kl"] <= p["reference_kl"]
-        p["within_floor"] = floor is not None and max(p["kl"], p["reference_kl"]) <= FLOOR_MARGIN * floor
+        worst = max(p["kl"], p["reference_kl"])
+        p["negligible"] = worst <= NEGLIGIBLE_KL
+        p["within_floor"] = p["negligible"] or (floor is not None and worst <= FLOOR_MARGIN * floor)
         # llama.cpp's own cache type may wreck a model (Qwen2.5's q5_1 / q4_0: KL 0.3-8, where
         # SmolLM2's q4_0 is 0.06, Gemma 3's 0.13): the promise then holds by a margin that says little
         p["reference_broken"] = p["reference_kl"] > BROKEN_REFERENCE_KL
@@ -564,11 +584,12 @@ def _eval(args: argparse.Namespace) -> int:
             print(f"{level}: not measured (llama.cpp could not run a {ref_type} cache on this model)")
     for level, p in promises.items():
         verdict = "holds" if p["holds"] else "DOES NOT HOLD"
-        noise = (
-            f" (both within {FLOOR_MARGIN}x the noise floor {floor:.4f}: this text barely tells them apart)"
-            if p["within_floor"]
-            else ""
-        )
+        noise = ""
+        if p["negligible"]:
+            noise = f" (both at most {NEGLIGIBLE_KL:g} per token: float rounding, not a measured difference)"
+        elif p["within_floor"]:
+            floor_is = f"{FLOOR_MARGIN}x the noise floor {floor:.4f}"
+            noise = f" (both within {floor_is}: this text barely tells them apart)"
         print(
             f"{level}: KL {p['kl']:.4g} vs llama.cpp {p['reference']}'s {p['reference_kl']:.4g}: "
             f"the promise (at most {p['reference']}'s KL) {verdict} on this model and text{noise}"
@@ -598,22 +619,42 @@ def _serve(args: argparse.Namespace) -> int:
 # --- load (adaptive streaming) ----------------------------------------------------------------
 
 
+def _context_params(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """llama-cpp-python's settings for a context laid out as the one that saved `fingerprint`:
+    a state saved with flash attention, a quantized cache or a sliding-window cache of its own
+    size loads only into such a context (the load refused a context made with the defaults, and
+    the CLI had no option to make another)."""
+    params: dict[str, Any] = {}
+    for field in ("type_k", "type_v"):
+        if fingerprint.get(field) in GGML_TYPES:
+            params[field] = GGML_TYPES[fingerprint[field]]
+    if fingerprint.get("flash_attn") in ("enabled", "disabled"):  # "auto" is llama.cpp's choice
+        params["flash_attn"] = fingerprint["flash_attn"] == "enabled"
+    if isinstance(fingerprint.get("swa_full"), bool):
+        params["swa_full"] = fingerprint["swa_full"]
+    return params
+
+
 def _load(args: argparse.Namespace) -> int:
     """Streams a chunked context into a fresh llama.cpp context: a progress bar per chunk, then the
     report (stream.StreamReport.to_dict with --json)."""
     from tqdm import tqdm
 
     from . import chunks
-    from .llama import Llama
+    from .llama import StateMeta
     from .stream import ChunkRecord, load_streaming
 
     data = read_url(args.url)
-    n_chunks, n_ctx = 1, args.n_ctx
+    n_chunks, n_ctx, saved = 1, args.n_ctx, None
     if is_manifest(data):
         m = chunks.Manifest.unpack(data)
         n_chunks = max(1, len(m.chunks))
         n_ctx = n_ctx or int(m.meta.tokens.size) + 256
-    llm = _open_model(Llama, _model(args.model), n_ctx=n_ctx or 4096, n_threads=args.threads, verbose=False)
+        saved = m.meta.fingerprint
+    else:  # a whole container: its envelope, when it has one (else the load says what it is)
+        with contextlib.suppress(CacheGenError):
+            saved = StateMeta.unpack(codec.user_meta(data)).fingerprint
+    llm = _open_llama(_model(args.model), n_ctx or 4096, args.threads, **_context_params(saved or {}))
     bar = tqdm(total=n_chunks, unit="chunk", file=sys.stderr, disable=args.json or None)
 
     def progress(record: ChunkRecord) -> None:
@@ -905,3 +946,6 @@ def main(argv: list[str] | None = None) -> int:
     except (CacheGenError, OSError) as exc:
         print(f"llama-cachegen {args.command}: error: {_message(exc)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what was loading is put back (a load never half-loads)
+        print(f"llama-cachegen {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -86,6 +86,7 @@ import contextlib
 import copy
 import logging
 import math
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -262,6 +263,10 @@ def _decode_tokens(ctx: Any, tokens: np.ndarray, pos0: int, seq: int, n_batch: i
     finally:
         llama_cpp.llama_batch_free(batch)
     return True
+
+
+def _never() -> bool:
+    return False
 
 
 @contextlib.contextmanager
@@ -526,6 +531,7 @@ class _Loader:
         # set on the context while a fetch of the chunk computed (`computing`) that arrives may stop
         # the computation within llama_decode (between two nodes of its graph)
         self.abort_callback = llama_cpp.ggml_abort_callback(self._fetch_arrived)
+        self.interrupted: Callable[[], bool] = _never  # a Ctrl-C noted while llama.cpp computes
         self.backup: tuple[np.ndarray | None] | None = None
         self.speed_key = _speed_key(llm)
         self.state: np.ndarray | None = None
@@ -1203,6 +1209,14 @@ class _Loader:
         with self.cv:
             if self.retry is job:
                 self.retry = None
+            others = tuple(lv for lv in self.levels[i] if lv != job.level)
+            if isinstance(error, chunks.ChunkMissingError) and others:
+                # that level is gone (evicted, or removed as damaged): the chunk is planned again
+                # among the levels left, as a load without streaming takes the next one stored
+                self.levels[i] = others
+                self.plan[i] = None
+                self._feed()
+                return
             if isinstance(error, (CacheGenError, OSError)) and not rec.retries:
                 rec.retries += 1
                 self._link_busy()
@@ -1254,6 +1268,9 @@ class _Loader:
         start = time.perf_counter()
         try:
             codec.decode_chunk(job.result.chunk, job.result.stats, self.state, threads=self.threads)
+        except CorruptDataError as exc:  # damaged where it is stored: removed, not fetched again
+            key = chunks._chunk_key(job.result.meta.key, job.level)
+            return self.reader.discard_damaged(exc, key, job.result.chunk), time.perf_counter() - start
         except CacheGenError as exc:
             return exc, time.perf_counter() - start
         seconds = time.perf_counter() - start
@@ -1362,7 +1379,7 @@ class _Loader:
                 q = min(e, p + piece)
                 self.held = -1
                 piece_start = time.perf_counter()
-                with _warnings_unprinted() if abortable else contextlib.nullcontext():
+                with self._stoppable() if abortable else contextlib.nullcontext():
                     computed = _decode_tokens(self.llm.ctx, self.tokens[p:q], p, seq, int(self.llm.n_batch))
                 if computed:
                     self._learn(p, q, time.perf_counter() - piece_start)
@@ -1387,9 +1404,38 @@ class _Loader:
             self.speed.learn(p, q, seconds)
         _learn_speed(self.speed_key, p, q, seconds)
 
+    @contextlib.contextmanager
+    def _stoppable(self) -> Iterator[None]:
+        """Around a llama_decode that the abort callback may stop: llama.cpp's warning that it
+        removed the stopped positions kept off stderr (_warnings_unprinted), and Ctrl-C deferred.
+        Python would raise the KeyboardInterrupt inside that ctypes callback, which prints it and
+        carries on (the load went on to the end, and the CLI exited 0): on the main thread,
+        Python's own handler is swapped for one that notes the interrupt, the callback stops the
+        call, and the interrupt is raised once it returns (the load then puts the context back)."""
+        if threading.current_thread() is not threading.main_thread() or (
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        ):
+            with _warnings_unprinted():
+                yield
+            return
+        noted: list[int] = []
+        self.interrupted = lambda: bool(noted)
+        previous = signal.signal(signal.SIGINT, lambda signum, _frame: noted.append(signum))
+        try:
+            with _warnings_unprinted():
+                yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            self.interrupted = _never
+        if noted:
+            raise KeyboardInterrupt
+
     def _fetch_arrived(self, _data: Any) -> bool:
         """On llama.cpp's thread, with the GIL: what _compute's loop takes as an arrival (whatever
-        stops the call, the loop sees it next, or computes the piece again)."""
+        stops the call, the loop sees it next, or computes the piece again), or an interrupt
+        (_stoppable)."""
+        if self.interrupted():
+            return True
         i = self.computing
         job = None if i is None else self.jobs.get(i)
         return job is not None and job.done.is_set() and job.error is None
@@ -1423,8 +1469,8 @@ class _Loader:
                 job.abandoned = True
                 self.skeleton_job = None
                 self.skeleton_s = job.seconds
-                self.failures.append(f"skeleton not in after {job.seconds:.1f} s")
-                self.fallback = "the skeleton did not arrive: every chunk computed from text"
+                self.failures.append(f"skeleton not in after {job.seconds:.1f} s, when the CPU was done")
+                self.fallback = "every chunk computed from text before the skeleton arrived"
         return self.state is not None
 
     def _start_skeleton(self) -> None:
