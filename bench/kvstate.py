@@ -1,8 +1,9 @@
 """Reads and slices the KV tensors inside a llama.cpp sequence state buffer, with numpy.
 
-Only what the bench needs: one non-empty stream of a plain KV cache without cell extension
-(layout in docs/llama-state.md). The library has its own parser; this one exists so that the
-baselines do not depend on the code they are compared with (it shares llama.cpp's constants only).
+Only what the bench needs: one non-empty stream per KV cache, without cell extension (layout in
+docs/llama-state.md); `f16_kv` reads every cache of a state (two for sliding-window models). The
+library has its own parser; this one exists so that the baselines do not depend on the code they
+are compared with (it shares llama.cpp's constants only).
 """
 
 from __future__ import annotations
@@ -42,11 +43,10 @@ def _read(state: bytes, pos: int, fmt: str) -> tuple[tuple[int, ...], int]:
     return struct.unpack_from("<" + fmt, state, pos), pos + size
 
 
-def read_layout(state: bytes) -> Layout:
-    """Parses a `llama_state_seq_get_data` buffer; raises ValueError on anything it does not support."""
-    (magic, _seq_id, n_stream), pos = _read(state, 0, "IiI")
-    if magic != IO_MAGIC:
-        raise ValueError(f"not a sequence state buffer (magic {magic:#x})")
+def _read_cache(state: bytes, pos: int) -> tuple[Layout, int]:
+    """One KV cache's part of a state from `pos` (its stream count on): its layout and where it ends."""
+    head_start = pos
+    (n_stream,), pos = _read(state, pos, "I")
     n_cells = 0
     for _ in range(n_stream):  # streams of other sequences are empty
         head_end = pos
@@ -74,11 +74,27 @@ def read_layout(state: bytes) -> Layout:
         transposed = bool(v_trans) and index >= n_layer
         tensors.append(Tensor(state[start:pos], ggml_type, pos, size, row_bytes, transposed))
         pos += size
+    if pos > len(state):
+        raise ValueError("truncated state")
+    return Layout(state[head_start:head_end], n_cells, cells, bool(v_trans), tensors), pos
+
+
+def _check_magic(state: bytes) -> int:
+    (magic, _seq_id), pos = _read(state, 0, "Ii")
+    if magic != IO_MAGIC:
+        raise ValueError(f"not a sequence state buffer (magic {magic:#x})")
+    return pos
+
+
+def read_layout(state: bytes) -> Layout:
+    """Parses a `llama_state_seq_get_data` buffer of one KV cache; raises ValueError on anything it
+    does not support. `head` includes the magic and sequence id."""
+    layout, pos = _read_cache(state, _check_magic(state))
     if pos != len(state):
         raise ValueError(
             f"{len(state) - pos} bytes left after the KV cache (not a plain single-stream cache)"
         )
-    return Layout(state[:head_end], n_cells, cells, bool(v_trans), tensors)
+    return Layout(state[:8] + layout.head, layout.n_cells, layout.cells, layout.v_trans, layout.tensors)
 
 
 @dataclass
@@ -94,15 +110,19 @@ class F16KV:
 
 
 def f16_kv(state: bytes) -> F16KV:
-    layout = read_layout(state)
+    """The f16 K/V tensors of every KV cache in the state (a model with sliding-window layers has
+    two, one after the other), each cache's K of every layer, then V."""
     raw = bytearray(state)
     tensors = []
-    for t in layout.tensors:
-        if t.ggml_type != GGML_TYPES["f16"]:
-            raise ValueError(f"tensor of ggml type {t.ggml_type}; only f16 is supported here")
-        data = np.frombuffer(raw, dtype=np.float16, count=t.size // 2, offset=t.offset)
-        width = t.size // 2 // layout.n_cells
-        tensors.append(data.reshape(width, layout.n_cells).T if t.transposed else data.reshape(-1, width))
+    pos = _check_magic(state)
+    while pos < len(state):
+        layout, pos = _read_cache(state, pos)
+        for t in layout.tensors:
+            if t.ggml_type != GGML_TYPES["f16"]:
+                raise ValueError(f"tensor of ggml type {t.ggml_type}; only f16 is supported here")
+            data = np.frombuffer(raw, dtype=np.float16, count=t.size // 2, offset=t.offset)
+            width = t.size // 2 // layout.n_cells
+            tensors.append(data.reshape(width, layout.n_cells).T if t.transposed else data.reshape(-1, width))
     return F16KV(raw, tensors)
 
 
