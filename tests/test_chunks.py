@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import greedy, smollm
-from llama_cachegen import chunks, codec, envelope, stores
+from llama_cachegen import chunks, codec, envelope, stores, stream
 from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import (
     AuthenticationError,
@@ -423,6 +423,51 @@ def test_a_state_of_two_sequences_is_saved_whole(gpl_tokens: list[int], tmp_path
     loaded = chunks.load_chunked(other, tmp_path / "two")
     assert loaded.extra["levels"] == {"lossless": 1} and other.n_tokens == 70
     assert capture_state(other, None) == state
+
+
+@pytest.mark.parametrize("how", ["hole-filled-by-a-copy", "another-sequence-in-the-hole"])
+def test_cells_of_another_sequence_are_never_chunks_of_this_one(
+    gpl_tokens: list[int], tmp_path: Path, how: str
+) -> None:
+    """Sequence 0 with a hole (seq_rm) that sequence 1's cells fill: the cells still held positions
+    0..n-1 once each, so the context was cut into chunks keyed by sequence 0's tokens, and another
+    context's load_prefix of those tokens got the hole, or sequence 1's K/V of other tokens as
+    theirs (logits 1-2 apart). Such a state is saved whole."""
+    import llama_cpp
+
+    tokens = gpl_tokens[:192]
+    llm = _llama(n_ctx=512, n_seq_max=2)
+    llm.eval(tokens)
+    memory = llama_cpp.llama_get_memory(llm.ctx)
+    if how == "hole-filled-by-a-copy":
+        llama_cpp.llama_memory_seq_cp(memory, 0, 1, -1, -1)
+        llama_cpp.llama_memory_seq_rm(memory, 0, 40, 60)
+    else:  # sequence 1 alone: 20 other tokens at the positions sequence 0 gave up
+        llama_cpp.llama_memory_seq_rm(memory, 0, 40, 60)
+        assert stream._decode_tokens(llm.ctx, np.asarray(gpl_tokens[300:320]), 40, 1, 512)
+    report = chunks.save_chunked(llm, tmp_path / "ctx", levels=("lossless",), chunk_tokens=64)
+    assert report.fallback and "not one sequence" in report.fallback and report.chunks == 0
+    assert chunks.load_prefix(_llama(n_ctx=512, n_seq_max=2), tmp_path, tokens, chunk_tokens=64).tokens == 0
+
+
+def test_lossy_kv_copied_from_another_sequence_is_not_stored_as_exact(
+    gpl_tokens: list[int], tmp_path: Path
+) -> None:
+    """A compact load into sequence 1, copied to sequence 0 (llama_memory_seq_cp, which this
+    library does not see): a lossless save of sequence 0 stored the compact K/V as its tokens'
+    exact chunks (another context's load_prefix at level="lossless" then got logits 2 apart)."""
+    import llama_cpp
+
+    tokens = gpl_tokens[:192]
+    src = _llama(n_ctx=512)
+    src.eval(tokens)
+    llm = _llama(n_ctx=512, n_seq_max=2)
+    llm.load_compressed_state(src.save_compressed_state(level="compact", seq_id=0), seq_id=1)
+    llama_cpp.llama_memory_seq_cp(llama_cpp.llama_get_memory(llm.ctx), 1, 0, -1, -1)
+    llm.input_ids[: len(tokens)] = tokens
+    llm.n_tokens = len(tokens)
+    report = chunks.save_chunked(llm, tmp_path / "ctx", levels=("lossless",), chunk_tokens=64, seq_id=0)
+    assert report.fallback and "loaded at compact" in report.fallback and report.chunks == 0
 
 
 def test_a_lossy_whole_load_is_recorded_for_every_sequence_it_holds(

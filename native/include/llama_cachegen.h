@@ -255,11 +255,12 @@ LCG_API int lcg_inspect_state(const void * state, size_t state_size, int32_t sta
                               lcg_info * info);
 
 /* ---- chunks ---------------------------------------------------------------------------------
- * A chunkable state (every stream with cells holds positions 0..n-1 once: one sequence) is stored
- * as a skeleton, one statistics object per level and chunks of positions. To load positions
- * [0, m): lcg_skeleton_state(skeleton, m) builds the state with zero K/V, then lcg_decode_chunk
- * fills each chunk's rows in place (chunks are independent: decode them in any order, on any
- * threads, into the same buffer), and lcg_splice copies rows that llama.cpp computed itself. */
+ * A chunkable state (every stream with cells holds positions 0..n-1 once, each cell of one and the
+ * same sequence) is stored as a skeleton, one statistics object per level and chunks of positions.
+ * To load positions [0, m): lcg_skeleton_state(skeleton, m) builds the state with zero K/V, then
+ * lcg_decode_chunk fills each chunk's rows in place (chunks are independent: decode them in any
+ * order, on any threads, into the same buffer), and lcg_splice copies rows that llama.cpp computed
+ * itself. */
 
 /* The skeleton of a state: its bytes other than K/V payloads, and its layout. */
 LCG_API int lcg_encode_skeleton(const void * state, size_t state_size, int32_t state_kind,

@@ -114,6 +114,14 @@ void parse_kv_cache(ByteReader & r, uint32_t ext_bytes, CacheParse & out) {
                 const int32_t seq = r.i32();
                 LCG_CHECK(seq >= 0 && static_cast<uint32_t>(seq) < MAX_SEQ_ID, LCG_ERR_UNSUPPORTED_FORMAT,
                           "cell %u has sequence id %d", i, seq);
+                if (i == 0 && n_seq == 1) {
+                    group.only_seq = seq;
+                } else if (n_seq != 1 || seq != group.only_seq) {
+                    group.only_seq = CellGroup::SEQ_MIXED;
+                }
+            }
+            if (n_seq == 0 && group.only_seq != CellGroup::SEQ_NONE) {  // a cell of no sequence among others
+                group.only_seq = CellGroup::SEQ_MIXED;
             }
         }
         group.meta_offset[n_cells] = r.pos();
@@ -321,6 +329,13 @@ uint32_t chunkable_positions(const ParsedState & st) {
         LCG_CHECK(cg.pos.size() == n, LCG_ERR_UNSUPPORTED_FORMAT,
                   "streams hold %u and %zu cells (several sequences, or a sliding-window cache that keeps only "
                   "recent positions): the state cannot be cut into token chunks", n, cg.pos.size());
+        // a cell of another sequence (or shared with one) at a position of the keyed sequence's
+        // would be stored as K/V of that sequence's token there (a hole seq_rm left, filled by
+        // another sequence's cell, passed the positions check)
+        LCG_CHECK(cg.only_seq != CellGroup::SEQ_MIXED && cg.only_seq == st.groups[0].only_seq,
+                  LCG_ERR_UNSUPPORTED_FORMAT,
+                  "the cells belong to several sequences, or are shared between them: the state cannot be cut "
+                  "into one sequence's token chunks");
         std::vector<uint8_t> seen(n, 0);
         for (int32_t p : cg.pos) {
             LCG_CHECK(p >= 0 && static_cast<uint32_t>(p) < n && !seen[p], LCG_ERR_UNSUPPORTED_FORMAT,

@@ -50,6 +50,11 @@ struct CellGroup {
     uint64_t count_offset;              // of the u32 cell_count
     std::vector<uint64_t> meta_offset;  // n_cells + 1: where each cell's metadata starts (and the end)
     std::vector<int32_t> pos;
+    // The sequence every cell belongs to alone (a whole-context state lists each cell's ids), or
+    // SEQ_NONE (a sequence's state lists none), or SEQ_MIXED (cells of several sequences, shared
+    // cells or a cell of none)
+    int32_t only_seq = SEQ_NONE;
+    static constexpr int32_t SEQ_NONE = -1, SEQ_MIXED = -2;
 };
 
 struct ParsedState {
@@ -72,10 +77,10 @@ ParsedState parse_state(const uint8_t * data, size_t size, int32_t kind);
 
 const char * state_kind_name(int32_t kind);
 
-// Number of positions n when one stream holds cells (in each cache) and they are exactly the
-// positions 0..n-1, each once (one sequence): such a state can be cut into token chunks. Throws
-// LCG_ERR_UNSUPPORTED_FORMAT saying why otherwise (several sequences in a stream or in several
-// streams, a sliding-window cache holding only recent positions, a recurrent tail).
+// Number of positions n when one stream holds cells (in each cache), they are exactly the
+// positions 0..n-1, each once, and every cell is of one and the same sequence: such a state can be
+// cut into token chunks. Throws LCG_ERR_UNSUPPORTED_FORMAT saying why otherwise (several sequences
+// in a stream or in several streams, a sliding-window cache holding only recent positions).
 uint32_t chunkable_positions(const ParsedState & st);
 
 // The state of the first n_pos positions of a chunkable state: the same bytes with every stream cut

@@ -654,12 +654,16 @@ def lossy_level(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) ->
 
 
 def lossy_record(llm: llama_cpp.Llama, target: int | None, tokens: np.ndarray) -> tuple[int, str] | None:
-    """lossy_level with the first position of that K/V: (exact_until, level), or None. No tokens
-    (a state saved without them) tell nothing: any record of the target counts."""
-    record = _lossy_loads.get(llm, {}).get(target or 0)
-    if record is None or (len(tokens) and not record.held_by(tokens)):
-        return None
-    return max(0, record.exact_until), record.level
+    """lossy_level with the first position of that K/V: (exact_until, level), or None. Another
+    sequence's record counts where its tokens start these: llama_memory_seq_cp (or seq_keep after
+    it), which this library does not see, puts that sequence's K/V in this one (a compact load into
+    sequence 1, copied to 0, was stored as lossless chunks). No tokens (a state saved without them)
+    tell nothing: any record of the target counts."""
+    found = None
+    for seq, record in list(_lossy_loads.get(llm, {}).items()):
+        if record.held_by(tokens) if len(tokens) else seq == (target or 0):
+            found = worse_load(found, max(0, record.exact_until), record.level)
+    return found
 
 
 def worse_load(lossy: tuple[int, str] | None, begin: int, level: str) -> tuple[int, str]:
