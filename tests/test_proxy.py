@@ -444,6 +444,54 @@ def test_other_architectures_share_or_say_why(
         assert stats_a["upload_errors"] == 1 and stats_b["restores"] == 0
 
 
+def test_a_sliding_window_model_without_swa_full_shares_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    """A prompt within the window (tiny gpt-oss: 128 tokens) was uploaded and restored, and
+    llama-server computed all of it again (Gemma 3: 256 of 311 restored, 311 computed): every
+    load read the store for nothing and the header claimed a reuse. Such a proxy shares nothing,
+    and says so at start-up."""
+    model = tiny_models.write_gpt_oss(tmp_path / "gpt-oss.gguf")
+    store = (tmp_path / "store").as_uri()
+    proxies, servers, logs = [], [], []
+    for name in ("a", "b"):
+        server, slot_dir = cluster.server(f"swa-{name}", model)
+        servers.append(server)
+        proxies.append(cluster.proxy_of(server, slot_dir, store, "--chunk-tokens", "32"))
+        logs.append(cluster.root / f"proxy-{len(cluster.procs) - 1}.log")
+    body = {
+        "prompt": tiny_models.TOKENS[:100],
+        "n_predict": 4,
+        "temperature": 0.0,
+        "cache_prompt": True,
+        "logit_bias": [[t, False] for t in tiny_models.LETTERS_ONLY],
+    }
+    first = _post(proxies[0] + "/completion", body)[0]["content"]
+    deadline = time.monotonic() + 5.0  # a save after the answer took milliseconds
+    while time.monotonic() < deadline and not _stats(proxies[0])["saves"]:
+        time.sleep(0.2)
+    second, headers = _post(proxies[1] + "/completion", body)
+    assert first == second["content"] and headers[RESTORED_HEADER] == "0"
+    assert _stats(proxies[0])["saves"] == 0 and _stats(proxies[1])["restores"] == 0
+    assert all("without --swa-full" in log.read_text() for log in logs)
+
+
+def test_a_request_the_server_refuses_leaves_the_slot_unsaved(
+    nodes: tuple[Node, Node], cluster: Cluster
+) -> None:
+    """A request llama-server refuses (a grammar it cannot parse: 400) after a long prompt: the
+    proxy took the slot to hold the refused prompt, saved it, and logged a context shift that never
+    happened. What the slot holds is not known: it is not saved."""
+    a, _ = nodes
+    text = _tokenize(a.server, sample_text("gfdl-1.3.txt"), add_special=False)
+    before = _stats(a.proxy)["saves"]
+    logs = {log: log.stat().st_size for log in cluster.root.glob("proxy-*.log")}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _complete(a.proxy, text[:600], grammar="root ::= (")
+    assert refused.value.code == 400
+    time.sleep(1.0)  # the save after an answer took milliseconds
+    assert _stats(a.proxy)["saves"] == before
+    assert not any("shifted its context" in log.read_text()[size:] for log, size in logs.items())
+
+
 def test_store_down_still_answers(nodes: tuple[Node, Node], cluster: Cluster) -> None:
     a, _ = nodes
     dead = f"redis://127.0.0.1:{free_port()}/0"

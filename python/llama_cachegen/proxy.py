@@ -569,7 +569,16 @@ class Proxy:
         fingerprint = await loop.run_in_executor(
             None, lambda: server_fingerprint(props, model, n_stream, **self.kv)
         )
-        self.sharing = Sharing(self.store_url, fingerprint, n_ctx, **self.options)
+        if fingerprint["swa_full"] is False:
+            # measured (Gemma 3, a 311-token prompt, 256 restored): llama-server computed all 311
+            # again, so every load read the store for nothing and the header claimed a reuse
+            log.warning(
+                "a model with sliding-window layers on a server without --swa-full: llama-server computes a "
+                "restored prompt again, so nothing is shared (with --swa-full on the servers and their "
+                "proxies, prompts within the window are)"
+            )
+        else:
+            self.sharing = Sharing(self.store_url, fingerprint, n_ctx, **self.options)
         log.info(
             "llama-server %s: %d slots of %d tokens, %d KV stream(s), model %s",
             self.server,
@@ -751,15 +760,17 @@ class Proxy:
         slot = await self._acquire(tokens, body.get("id_slot"))
         tail = b""
         restored = covered = 0
+        answered = False
         try:
             restored, covered = await self._restore_prefix(slot, tokens)
             body["id_slot"] = slot.id
             body["cache_prompt"] = True
             data = json.dumps(body).encode()
             response, tail = await self._forward_tail(request, data, {RESTORED_HEADER: str(restored)})
+            answered = 200 <= response.status < 300
             return response
         finally:
-            self._spawn(self._after(slot, tokens, covered, tail, restored > 0))
+            self._spawn(self._after(slot, tokens, covered, tail, restored > 0, answered))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -817,8 +828,13 @@ class Proxy:
         except (CacheGenError, OSError) as exc:
             self.stats.restore_failures += 1
             slot.tokens, slot.lossy = slot.tokens[:0], None  # a failed restore clears the slot
-            log.warning(
-                "slot %d: restore of %d tokens refused (%s): computed instead", slot.id, loaded.positions, exc
+            # most often a setting /props does not show differs from the proxy's: every restore would
+            # be refused, each after reading the prefix from the store
+            self._store_failed(
+                f"slot {slot.id}: restore of {loaded.positions} tokens refused (does the server run with the "
+                "--flash-attn, --cache-type-k/-v and --swa-full this proxy was given? 'auto' may resolve "
+                "differently on other hardware)",
+                exc,
             )
             return 0, loaded.chunks
         finally:
@@ -876,13 +892,18 @@ class Proxy:
                 path.unlink()
 
     async def _after(
-        self, slot: _Slot, tokens: np.ndarray, covered: int, tail: bytes, replaced: bool
+        self, slot: _Slot, tokens: np.ndarray, covered: int, tail: bytes, replaced: bool, answered: bool
     ) -> None:
         """After a response: remember what the slot holds; save and upload it unless the store
         already has every full chunk of it (or it may hold K/V the proxy did not see computed).
-        `replaced`: a restore replaced what the slot held. Holds the slot until the save is done."""
+        `replaced`: a restore replaced what the slot held; `answered`: the server answered 2xx (a
+        request it refused may have left the slot as it was: what it holds is not known). Holds
+        the slot until the save is done."""
         data, lossy = None, None
         try:
+            if not answered:
+                slot.unseen = True  # not uploaded from until a restore or a whole prompt replaces it
+                return
             slot.tokens = tokens
             timings = _timings(tail)
             if self.sharing is not None and timings.get("prompt_per_second"):
