@@ -116,6 +116,22 @@ def _room_for_three_and_a_half(
     return cache, entry
 
 
+def test_a_lookup_asks_the_store_for_its_own_level_only(
+    tmp_path: Path, states: list[llama_cpp.llama.LlamaState]
+) -> None:
+    """The cache asked whether each chunk was stored at every level, though it serves its own:
+    four requests per chunk to an HTTP store, at every completion (105 chunks: 207 ms)."""
+    llm = smollm()
+    cache = CompressedStateCache(tmp_path, level="balanced", chunk_tokens=C, model=llm)
+    tokens = _tokens(states[0])
+    cache[tokens] = states[0]
+    asked: list[str] = []
+    exists = cache.store.exists
+    cache.store.exists = lambda key: asked.append(key) or exists(key)  # type: ignore[method-assign]
+    assert cache._find_longest_prefix_key(tuple(tokens + [13] * C)) == tuple(tokens[: 2 * C])
+    assert len(asked) == 3 and all(key.endswith("/balanced") for key in asked)  # 2 chunks, then a miss
+
+
 def test_kv_loaded_at_a_worse_level_is_not_cached_at_a_better_one(tmp_path: Path) -> None:
     """A context loaded at balanced, then given a lossless prompt cache: its K/V stored as the
     lossless chunks of its tokens would pass for exact (llama.lossy_level_anywhere). A balanced

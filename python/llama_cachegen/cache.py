@@ -188,9 +188,7 @@ class CompressedStateCache(BaseLlamaCache):
         if self._recurrent:
             return self._match_snapshot(tokens)
         room = tokens.size if self._n_ctx is None else min(tokens.size, self._n_ctx)
-        match = chunks._match(self.store, fingerprint, tokens[: room // c * c], c)
-        match.cut(next((i for i, lv in enumerate(match.levels) if self.level not in lv), match.chunks))
-        return match
+        return chunks._match(self.store, fingerprint, tokens[: room // c * c], c, (self.level,))
 
     def _store_ok(self) -> bool:
         return time.monotonic() >= self._down_until

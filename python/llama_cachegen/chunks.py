@@ -960,12 +960,19 @@ def longest_prefix(
 
 
 def _match(
-    store: stores.Store, fingerprint: dict[str, Any], tokens: np.ndarray, chunk_tokens: int
+    store: stores.Store,
+    fingerprint: dict[str, Any],
+    tokens: np.ndarray,
+    chunk_tokens: int,
+    probe: Sequence[str] = codec.LEVEL_ORDER,
 ) -> PrefixMatch:
+    """The stored chunks that start `tokens`, each with the levels of `probe` it is stored at (a
+    caller of one level asks for it alone: each is a request to an HTTP store, and a prompt cache
+    looks up at every completion)."""
     keys: list[str] = []
     levels: list[tuple[str, ...]] = []
     for key in chain_keys(fingerprint, tokens, chunk_tokens):
-        stored = tuple(lv for lv in codec.LEVEL_ORDER if store.exists(_chunk_key(key, lv)))
+        stored = tuple(lv for lv in probe if store.exists(_chunk_key(key, lv)))
         if not stored:
             break
         keys.append(key)
@@ -997,9 +1004,10 @@ def load_prefix(
     query = token_ids(llm, tokens)
     fingerprint = model_fingerprint(llm)
     with stores.open_store(str(store_url)) as store:
-        match = _match(store, fingerprint, query, chunk_tokens)
-        if level is not None:  # the prefix ends at the first chunk without that level
-            match.cut(next((i for i, lv in enumerate(match.levels) if level not in lv), match.chunks))
+        # with a level, the prefix ends at the first chunk without it
+        match = _match(
+            store, fingerprint, query, chunk_tokens, codec.LEVEL_ORDER if level is None else (level,)
+        )
         _check_room(llm, match.positions)  # a cut below only shortens the prefix
         while True:  # a chunk that cannot be read (ChunkMissingError): the chunks before it
             if not match.chunks:
