@@ -182,15 +182,20 @@ def test_cpu_computes_from_the_front_while_the_link_fetches_from_the_back(
 ) -> None:
     """16 Mbit/s: a lossless chunk takes ~1.2 s to arrive, about as long as computing two. With
     an SLO that lossless fits, every chunk is lossless or computed (both exact); the computed ones
-    are a prefix, the fetched ones a suffix, and the context continues as the original."""
+    are a prefix, the fetched ones a suffix, and the context continues as the original. (The
+    link's first fetch, with nothing measured, is the last chunk at compact: fetched again
+    lossless, or computed again by the CPU once idle, whichever the timing makes sooner.)"""
     r, url = relay
     r.set_trace(Trace.constant(mbit(16)))
     report = stream.load_streaming(loader, url, slo_s=60.0)
     levels = [rec.level for rec in report.records]
     assert set(levels) <= {"lossless", stream.TEXT} and report.expected_kl == 0.0
-    k = len(report.text_chunks)
-    assert report.text_chunks == list(range(k)) and levels[k:] == ["lossless"] * (CHUNKS - k)
-    assert all(report.records[i].reason in ("parallel", "raced") for i in report.text_chunks)
+    records = report.records
+    computed = [i for i, rec in enumerate(records) if rec.level == stream.TEXT and not rec.upgraded_from]
+    k = len(computed)
+    assert computed == list(range(k)) and k < CHUNKS
+    assert all(records[i].reason in ("parallel", "raced") for i in computed)
+    assert all(rec.level == "lossless" or rec.upgraded_from == "compact" for rec in records[k:])
     assert report.failures == [] and report.fallback is None
     _continues(loader, original)
 
@@ -527,7 +532,9 @@ def test_store_dying_mid_stream_is_completed_from_text(
     assert report.fallback is not None and "computed from text" in report.fallback
     failed = report.text_chunks[-1]  # the link fetches from the back: the failed chunk is the last text one
     assert report.records[failed].retries == 1 and report.records[failed].reason == "failed"
-    assert len(report.failures) == 2 and all("could not be fetched" in f for f in report.failures)
+    # its fetch and the one again; on a busy machine (a rate that looked slow: a chunk fetched
+    # compact), that chunk's upgrade fails too
+    assert 2 <= len(report.failures) <= 3 and all("could not be fetched" in f for f in report.failures)
     _continues(loader, original)
 
 
