@@ -615,10 +615,12 @@ class _Loader:
         """Whether the link's time can be predicted: an oracle, or a rate (_inv)."""
         return self.oracle is not None or self._inv() is not None
 
-    def _net_s(self, nbytes: float) -> float:
+    def _net_s(self, nbytes: float, inv: float | None = None) -> float:
+        """Seconds the link takes for `nbytes`: the oracle's, else at `inv` seconds per byte (a
+        caller's estimate, taken once for many plans), else at _inv's."""
         if self.oracle is not None:
             return self.oracle(int(nbytes))
-        inv = self._inv()
+        inv = self._inv() if inv is None else inv
         assert inv is not None
         return nbytes * inv
 
@@ -716,11 +718,7 @@ class _Loader:
         tail_tokens = _suffix_sums([self.ranges[k][1] - self.ranges[k][0] for k in undecided])
         # one estimate of the link for every plan below: asked per plan (256 chunks: 93,000 asks
         # in a load), it read the fetch in flight's progress from the store each time
-        oracle = self.oracle
-        inv = self._inv() if oracle is None else None
-
-        def net_s(nbytes: float) -> float:
-            return nbytes * inv if inv is not None else oracle(int(nbytes))  # type: ignore[misc]
+        inv = self._inv() if self.oracle is None else None
 
         def plan(x: int, better: str, worse: str, n: int) -> _Plan:
             """The first x chunks computed, the last n at `better`, the others fetched at `worse`."""
@@ -733,7 +731,7 @@ class _Loader:
                 better, tail[better][m - n]
             )
             last = better if n == f else worse  # the front chunk of those fetched
-            link = link_free + net_s(nbytes) + self._decode_s(last, size[last][x])
+            link = link_free + self._net_s(nbytes, inv) + self._decode_s(last, size[last][x])
             finish = max(cpu_free + cpu[x] + decode, link)
             link_risk = now + (link - now) * stretch
             at_risk = max(cpu_free + cpu[x] + decode, link_risk)
