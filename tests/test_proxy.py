@@ -584,6 +584,30 @@ def test_a_proxy_told_other_cache_types_uploads_nothing(cluster: Cluster, redis_
     assert "holds K as q8_0, the proxy was told f16: start it with --cache-type-k q8_0" in log
 
 
+def test_a_restore_the_server_refuses_sets_the_store_aside(cluster: Cluster, redis_url: str) -> None:
+    """Flash attention on behind one proxy, off behind the other, both proxies left at `auto`: one
+    fingerprint for two V layouts, so B's server refuses A's prefix. B then skips the store for a
+    while (each refusal read the whole prefix first), and names the options to check; the refusal
+    is counted as one, not as a store error."""
+    store = f"{redis_url}?prefix=proxy-fa:"
+    proxies = []
+    for name, fa in (("fa-on", "on"), ("fa-off", "off")):
+        server, slot_dir = cluster.server(name, None, "-fa", fa)
+        proxies.append(cluster.proxy_of(server, slot_dir, store))
+        log = cluster.root / f"proxy-{len(cluster.procs) - 1}.log"
+    prompt = sample_text("gpl-3.0.txt")[:2000]
+    _complete(proxies[0], prompt)
+    _wait_uploads(proxies[0], 1)
+    # the prefix refused; another text in the slot; the prefix again (the slot lacks it, the store
+    # has it): set aside, the store is not asked (it was: refused again)
+    for text in (prompt + " Who?", sample_text("gfdl-1.3.txt")[:2000], prompt + " Why?"):
+        _, headers = _complete(proxies[1], text)
+        assert headers[RESTORED_HEADER] == "0"
+    stats = _stats(proxies[1])
+    assert stats["restore_failures"] == 1 and stats["store_errors"] == 0
+    assert "does the server run with the --flash-attn" in log.read_text()
+
+
 def test_token_required(nodes: tuple[Node, Node], cluster: Cluster, redis_url: str, tmp_path: Path) -> None:
     a, _ = nodes
     token_file = tmp_path / "token"

@@ -782,6 +782,9 @@ class Proxy:
 
     def _store_failed(self, what: str, exc: BaseException) -> None:
         self.stats.store_errors += 1
+        self._skip_store(what, exc)
+
+    def _skip_store(self, what: str, exc: BaseException) -> None:
         self._store_down_until = time.monotonic() + stores.STORE_BACKOFF_S
         log.warning(
             "%s: %s (the server computes as usual; store skipped for %g s)", what, exc, stores.STORE_BACKOFF_S
@@ -829,8 +832,8 @@ class Proxy:
             self.stats.restore_failures += 1
             slot.tokens, slot.lossy = slot.tokens[:0], None  # a failed restore clears the slot
             # most often a setting /props does not show differs from the proxy's: every restore would
-            # be refused, each after reading the prefix from the store
-            self._store_failed(
+            # be refused, each after reading the prefix from the store (counted in restore_failures)
+            self._skip_store(
                 f"slot {slot.id}: restore of {loaded.positions} tokens refused (does the server run with the "
                 "--flash-attn, --cache-type-k/-v and --swa-full this proxy was given? 'auto' may resolve "
                 "differently on other hardware)",
