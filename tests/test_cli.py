@@ -113,6 +113,23 @@ def test_errors_are_reported_not_raised(slot_file: Path, tmp_path: Path) -> None
         assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_load_refuses_a_manifest_longer_than_the_models_training_context(tmp_path: Path) -> None:
+    """`load` sized its context from the manifest's token count before any chunk was read: a
+    forged count was allocated first (60,000 tokens of SmolLM2: 1.5 GB) and refused only then."""
+    llm = smollm()
+    llm.eval(llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 6))
+    llm.save_compressed_state(tmp_path / "ctx", levels=("balanced",), chunk_tokens=16)
+    m = chunks.Manifest.unpack((tmp_path / "ctx").read_bytes())
+    n_ctx_train = llama_cpp.llama_model_n_ctx_train(llm.model)
+    m.meta.tokens = np.resize(m.meta.tokens, n_ctx_train + 1)
+    m.chunks = [m.chunks[0]] * -(-(n_ctx_train + 1) // 16)
+    (tmp_path / "forged").write_bytes(m.pack())
+    proc = _cli("load", tmp_path / "forged", "--threads", "1", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"holds {n_ctx_train + 1} tokens, more than" in proc.stderr
+    assert f"training context ({n_ctx_train}); give --n-ctx" in proc.stderr
+
+
 def test_ctrl_c_ends_a_command_with_one_line_and_status_130(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

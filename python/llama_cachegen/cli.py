@@ -641,20 +641,30 @@ def _load(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from . import chunks
-    from .llama import StateMeta
+    from .llama import StateMeta, model_n_ctx_train
     from .stream import ChunkRecord, load_streaming
 
     data = read_url(args.url)
+    model = _model(args.model)
     n_chunks, n_ctx, saved = 1, args.n_ctx, None
     if is_manifest(data):
         m = chunks.Manifest.unpack(data)
         n_chunks = max(1, len(m.chunks))
-        n_ctx = n_ctx or int(m.meta.tokens.size) + 256
+        n_tokens = int(m.meta.tokens.size)
+        n_ctx_train = None if n_ctx else model_n_ctx_train(model)
+        if n_ctx_train and n_tokens > n_ctx_train:
+            # the context is sized from the manifest before its chunks are read: a forged count
+            # (60,000 tokens of SmolLM2: 1.5 GB) would be allocated first and refused only then
+            raise InvalidArgumentError(
+                f"{args.url} holds {n_tokens} tokens, more than {model}'s training context "
+                f"({n_ctx_train}); give --n-ctx to load it anyway"
+            )
+        n_ctx = n_ctx or n_tokens + 256
         saved = m.meta.fingerprint
     else:  # a whole container: its envelope, when it has one (else the load says what it is)
         with contextlib.suppress(CacheGenError):
             saved = StateMeta.unpack(codec.user_meta(data)).fingerprint
-    llm = _open_llama(_model(args.model), n_ctx or 4096, args.threads, **_context_params(saved or {}))
+    llm = _open_llama(model, n_ctx or 4096, args.threads, **_context_params(saved or {}))
     bar = tqdm(total=n_chunks, unit="chunk", file=sys.stderr, disable=args.json or None)
 
     def progress(record: ChunkRecord) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import hashlib
 import json
+import logging
 import os
 import struct
 import time
@@ -228,6 +229,33 @@ def _model_hash(llm: llama_cpp.Llama) -> str:
             h.update(f.read(block))
     _hash_cache[cache_key] = digest = h.hexdigest()
     return digest
+
+
+def model_n_ctx_train(path: str | Path) -> int | None:
+    """The training context of the GGUF model at `path` (its `<arch>.context_length`), read
+    without loading its tensors or making a context; None when llama.cpp cannot read it."""
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    log = logging.getLogger("llama-cpp-python")  # llama-cpp-python prints llama.cpp's log by its level
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    finally:
+        log.setLevel(level)
+    if not model:
+        return None
+    try:
+        value = ctypes.create_string_buffer(64)
+
+        def meta(key: str) -> str | None:
+            n = llama_cpp.llama_model_meta_val_str(model, key.encode(), value, len(value))
+            return value.value.decode(errors="replace") if 0 <= n < len(value) else None
+
+        n_ctx_train = meta(f"{meta('general.architecture')}.context_length")
+        return int(n_ctx_train) if n_ctx_train and n_ctx_train.isdigit() else None
+    finally:
+        llama_cpp.llama_model_free(model)
 
 
 # llama.cpp's rope types whose pairs lie within a head: NORM (adjacent channels), NEOX (halves)
