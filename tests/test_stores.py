@@ -339,6 +339,31 @@ def test_refused_bodies_are_never_executed(token_server: tuple[str, Path], head:
     assert (root / "victim.lcg").read_bytes() == b"victim" and not (root / "a.bin").exists()
 
 
+def test_expect_continue_is_answered_only_after_the_token_check(token_server: tuple[str, Path]) -> None:
+    """aiohttp's own Expect handler answered `100 Continue` before the route ran: a client
+    without the token was asked for its body. Refused heads get their refusal instead; a
+    client with the token gets 100 Continue and its upload is stored."""
+    base, root = token_server
+    port = int(base.rsplit(":", 1)[1])
+    expect = b"Expect: 100-continue\r\nContent-Length: 6\r\n"
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(3)
+        s.sendall(b"PUT /e.bin HTTP/1.1\r\nHost: x\r\n" + expect + b"\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 401 "), "asked for the body without the token"
+    for head, status in (
+        (b"PUT /e.bin HTTP/1.1\r\n" + _AUTH + b"Content-Encoding: gzip\r\n" + expect, b"415"),
+        (b"PUT /e.bin HTTP/1.1\r\n" + _AUTH + b"Expect: 200-ok\r\nContent-Length: 6\r\n", b"417"),
+    ):
+        assert _exchange(port, head + b"\r\n").startswith(b"HTTP/1.1 " + status + b" ")
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(3)
+        s.sendall(b"PUT /e.bin HTTP/1.1\r\n" + _AUTH + expect + b"\r\n")
+        assert s.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(b"stored")
+        assert s.recv(65536).startswith(b"HTTP/1.1 201 ")
+    assert (root / "e.bin").read_bytes() == b"stored"
+
+
 def test_chunked_uploads_are_bounded_and_stalls_dropped(token_server: tuple[str, Path]) -> None:
     base, root = token_server
     port = int(base.rsplit(":", 1)[1])

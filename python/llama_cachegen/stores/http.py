@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import urllib3
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
 from . import AuthKey, EntryInfo, Store, check_key, is_key
@@ -333,10 +333,10 @@ class _Server:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    def _refusal(self, request: web.Request) -> web.StreamResponse | None:
+        """The answer to a request refused on its head alone (method, token, encoding); None: go on."""
         path = request.path
-        key = path.strip("/")
-        listing = path.endswith("/") or not key
+        listing = path.endswith("/") or not path.strip("/")
         if request.method not in ("GET", "HEAD", "PUT", "DELETE", "POST"):
             return _text(405, f"method {request.method} not allowed")
         needs_token = self.private or listing or request.method in ("PUT", "DELETE", "POST")
@@ -356,6 +356,28 @@ class _Server:
         ):
             # aiohttp would inflate it: a gzip bomb of 51 KB stored 50 MB
             return _closing(415, "a body with a Content-Encoding is not accepted: send its bytes as they are")
+        return None
+
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """The route's Expect handler: `100 Continue` only for a request the head checks let
+        through (aiohttp's default answered it first, so a client without the token was asked
+        for its body, and sent it)."""
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return _closing(417, f"Expect: {request.headers.get('Expect')} is not supported")
+        if request.version == HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        key = path.strip("/")
+        listing = path.endswith("/") or not key
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
         try:
             if request.method == "POST":
                 if not listing:
@@ -478,7 +500,7 @@ def make_app(
         raise InvalidArgumentError("a private store needs a token (--token-file or LLAMA_CACHEGEN_TOKEN)")
     server = _Server(FileStore(directory, auth_key=b""), token, private, max_body, body_timeout)
     app = web.Application(client_max_size=max_body)
-    app.router.add_route("*", "/{tail:.*}", server.handle)
+    app.router.add_route("*", "/{tail:.*}", server.handle, expect_handler=server.expect)
     app.cleanup_ctx.append(server.sweeping)
     return app
 
