@@ -264,6 +264,35 @@ def test_prefix_sharing_on_every_store(contexts: dict[str, Any], store_url: str)
         assert len(_objects(store, "chunks")) == (4 + 2 + 1) * 2
 
 
+def test_a_prefix_lookup_asks_an_http_store_in_one_request_per_round(
+    contexts: dict[str, Any], http_server: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup sent one HEAD per level per chunk (a proxy's, at every request: 105 chunks took
+    420 round trips); now one POST per round of chunks (4, then 16, ...), with the same answer."""
+    from llama_cachegen.stores.http import HttpStore
+
+    base, c = http_server[0], 48  # a chunk size no other test stores these tokens at
+    llm = _llama(n_ctx=512)
+    _set(llm, contexts["states"]["a"], contexts["tokens"]["a"])
+    chunks.save_chunked(llm, f"{base}/ctx-rounds", levels=LEVELS, chunk_tokens=c)
+    sent: list[str] = []
+    request = HttpStore._request
+
+    def counted(self: HttpStore, method: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append(method)
+        return request(self, method, key, *args, **kwargs)
+
+    monkeypatch.setattr(HttpStore, "_request", counted)
+    for tokens, stored, rounds in (
+        (contexts["tokens"]["d"], 4, 2),  # 6 chunks, A's first 4 (192 tokens): 4 found, then 1 of 2
+        (contexts["tokens"]["a"], 5, 2),
+        (contexts["tokens"]["d"][1:], 0, 1),
+    ):
+        sent.clear()
+        match = chunks.longest_prefix(base, llm, tokens, chunk_tokens=c)
+        assert (match.chunks, match.levels, sent) == (stored, [LEVELS] * stored, ["POST"] * rounds)
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 
 

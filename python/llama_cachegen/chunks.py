@@ -959,6 +959,9 @@ def longest_prefix(
         return _match(store, model_fingerprint(llm), token_ids(llm, tokens), chunk_tokens)
 
 
+_MATCH_ROUND = 4  # chunks in a prefix lookup's first round: a miss costs no more than a lookup of 4
+
+
 def _match(
     store: stores.Store,
     fingerprint: dict[str, Any],
@@ -967,16 +970,24 @@ def _match(
     probe: Sequence[str] = codec.LEVEL_ORDER,
 ) -> PrefixMatch:
     """The stored chunks that start `tokens`, each with the levels of `probe` it is stored at (a
-    caller of one level asks for it alone: each is a request to an HTTP store, and a prompt cache
-    looks up at every completion)."""
+    caller of one level asks for it alone: a prompt cache looks up at every completion). The
+    store is asked in rounds of _MATCH_ROUND, 4, 16, ... chunks' keys, one round trip each where
+    the store has it (exists_many): one request per key took 0.5 ms each on a local HTTP store,
+    and a proxy asks about every level of every chunk of every prompt."""
+    chain = chain_keys(fingerprint, tokens, chunk_tokens)
     keys: list[str] = []
     levels: list[tuple[str, ...]] = []
-    for key in chain_keys(fingerprint, tokens, chunk_tokens):
-        stored = tuple(lv for lv in probe if store.exists(_chunk_key(key, lv)))
-        if not stored:
+    size = _MATCH_ROUND
+    while len(keys) < len(chain):
+        batch = chain[len(keys) : len(keys) + size]
+        flags = iter(store.exists_many([_chunk_key(key, lv) for key in batch for lv in probe]))
+        found = [tuple(lv for lv in probe if next(flags)) for _ in batch]
+        n = found.index(()) if () in found else len(found)  # the prefix ends at a chunk stored at none
+        keys += batch[:n]
+        levels += found[:n]
+        if n < len(batch):
             break
-        keys.append(key)
-        levels.append(stored)
+        size *= 4
     positions = min(len(keys) * chunk_tokens, int(tokens.size))
     return PrefixMatch(chunk_tokens, len(keys), positions, keys, levels)
 

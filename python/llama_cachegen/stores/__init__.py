@@ -148,6 +148,10 @@ class Store(ABC):
     @abstractmethod
     def exists(self, key: str) -> bool: ...
 
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """exists() of each key, in order; stores over a network ask in one round trip."""
+        return [self.exists(k) for k in keys]
+
     def has(self, key: str) -> bool:
         """Whether `get(key)` would return a value: existence, and with a key configured a valid
         tag (the object is read). Content-addressed writers keep what `has`: an untagged object,

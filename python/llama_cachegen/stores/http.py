@@ -6,7 +6,9 @@ atomically, `HEAD /key` answers 200 with Content-Length or 404, `DELETE /key` re
 `GET /prefix/` (a path ending in '/') lists the entries under it as JSON
 `[{"key": ..., "size": ..., "mtime": ...}]`, `POST /prefix/` with the JSON
 `{"mark_used": [key, ...]}` marks those keys under the prefix used now, in that order (on the
-server's clock: a client's may differ). The server keeps the values in a FileStore.
+server's clock: a client's may differ), and with `{"exists": [key, ...]}` answers a JSON list of
+booleans, one HEAD per key in one request (a prefix lookup asks about every level of every
+chunk). The server keeps the values in a FileStore.
 
 Access: a server started with a token (`--token-file`, or LLAMA_CACHEGEN_TOKEN) takes writes,
 deletes and listings only with `Authorization: Bearer <token>`; reads of single keys stay open
@@ -42,8 +44,9 @@ from .file import FileStore, PendingWrite
 
 TOKEN_ENV = "LLAMA_CACHEGEN_TOKEN"
 MAX_BODY = 8 << 30  # refuse uploads beyond this: a state of 8 GiB is already far past any real one
-MAX_MARK_BODY = 1 << 20  # a mark_used request's JSON: ~10,000 keys (a 128K context's chain: ~1,500)
-MARKS_AT_ONCE = 4  # mark_used requests parsed at once: one takes ~20 MB of Python objects at most
+MAX_POST_BODY = 1 << 20  # a mark_used or exists request's JSON: ~10,000 keys (a 128K context's chain: ~1,500)
+POSTS_AT_ONCE = 4  # such requests parsed at once: one takes ~20 MB of Python objects at most
+EXISTS_AT_ONCE = 4096  # keys per exists request a client sends (~400 KB of JSON)
 BODY_TIMEOUT_S = 60.0  # an upload that sends nothing for this long is dropped
 KEEPALIVE_S = 30.0  # idle connections (and connections that never send a request) are closed
 SWEEP_EVERY_S = 600.0  # how often the server removes the temporaries of uploads that died
@@ -139,6 +142,7 @@ class HttpStore(Store):
         self._root = "/".join(s for s in parts.path.split("/") if s)  # a key prefix on the server
         token = os.environ.get(TOKEN_ENV, "").strip() if token is None else token
         self._headers = {"Authorization": f"Bearer {_check_token(token)}"} if token else {}
+        self._bulk_exists = True  # False once the server refused an exists request
         # each reading thread's GET in flight (close ends them); an entry lives as long as its
         # thread (a thread-local holds it)
         self._local = threading.local()
@@ -262,6 +266,29 @@ class HttpStore(Store):
             body = json.dumps({"mark_used": [check_key(k) for k in keys]}).encode()
             self._request("POST", "", body, listing=True)
 
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """One request per EXISTS_AT_ONCE keys. A server that refuses it (a token this client
+        lacks: POSTs need one) is asked key by key from then on, as reads are."""
+        out: list[bool] = []
+        for i in range(0, len(keys), EXISTS_AT_ONCE) if self._bulk_exists else ():
+            batch = [check_key(k) for k in keys[i : i + EXISTS_AT_ONCE]]
+            try:
+                answer = self._request("POST", "", json.dumps({"exists": batch}).encode(), listing=True)
+                flags = json.loads(answer.data)
+            except StoreError:
+                self._bulk_exists = False
+                break
+            except ValueError as exc:
+                raise StoreError(f"HTTP POST {self.url}: the exists answer is not JSON ({exc})") from exc
+            if not (
+                isinstance(flags, list)
+                and len(flags) == len(batch)
+                and all(isinstance(f, bool) for f in flags)
+            ):
+                raise StoreError(f"HTTP POST {self.url}: the exists answer is not one boolean per key")
+            out += flags
+        return out + [self.exists(k) for k in keys[len(out) :]]
+
     def _reader_of(self, thread_id: int) -> _Reader | None:
         with self._lock:
             return self._readers.get(thread_id)
@@ -309,7 +336,7 @@ class _Server:
     ):
         self.store, self.token, self.private = store, token, private
         self.max_body, self.body_timeout = max_body, body_timeout
-        self.marking = asyncio.Semaphore(MARKS_AT_ONCE)
+        self.posts = asyncio.Semaphore(POSTS_AT_ONCE)
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -381,8 +408,8 @@ class _Server:
         try:
             if request.method == "POST":
                 if not listing:
-                    return _closing(405, "POST only to a folder (mark_used)")
-                return await self._mark_used(request, key)
+                    return _closing(405, "POST only to a folder (mark_used, exists)")
+                return await self._post(request, key)
             if listing:
                 if request.method != "GET":
                     return _text(405, "folders are only listed (GET)")
@@ -428,24 +455,33 @@ class _Server:
         finally:
             f.close()
 
-    async def _mark_used(self, request: web.Request, folder: str) -> web.StreamResponse:
+    async def _post(self, request: web.Request, folder: str) -> web.StreamResponse:
+        """`{"mark_used": [keys]}` or `{"exists": [keys]}`, keys under `folder`."""
         declared = request.content_length
         if declared is None:
             return _closing(411, "Content-Length required")
-        if declared > MAX_MARK_BODY:
-            return _closing(413, f"body over {MAX_MARK_BODY} bytes")
+        if declared > MAX_POST_BODY:
+            return _closing(413, f"body over {MAX_POST_BODY} bytes")
         try:
             body = await asyncio.wait_for(request.read(), self.body_timeout)
         except asyncio.TimeoutError:
             return _closing(408, f"no body data for {self.body_timeout:g} s")
-        async with self.marking:  # parsed, a body takes ~5x its size: 40 at once took 900 MB
+        async with self.posts:  # parsed, a body takes ~5x its size: 40 at once took 900 MB
             try:
-                keys = json.loads(body)["mark_used"]
+                request_body = json.loads(body)
+                if not isinstance(request_body, dict) or len(request_body) != 1:
+                    raise TypeError("expected one of mark_used, exists")
+                ((op, keys),) = request_body.items()
+                if op not in ("mark_used", "exists"):
+                    raise KeyError(op)
                 if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                    raise TypeError("mark_used is not a list of keys")
+                    raise TypeError(f"{op} is not a list of keys")
             except (ValueError, TypeError, KeyError, RecursionError) as exc:
-                return _text(400, f"not a mark_used request: {exc}")
-            await self._run(self.store.mark_used, [check_key(f"{folder}/{k}" if folder else k) for k in keys])
+                return _text(400, f"not a mark_used or exists request: {exc}")
+            keys = [check_key(f"{folder}/{k}" if folder else k) for k in keys]
+            if op == "exists":
+                return web.json_response(await self._run(lambda: [self.store.exists(k) for k in keys]))
+            await self._run(self.store.mark_used, keys)
         return web.Response(status=204)
 
     async def _put(self, request: web.Request, key: str) -> web.StreamResponse:

@@ -116,6 +116,12 @@ class RedisStore(Store):
     def exists(self, key: str) -> bool:
         return bool(self._call("EXISTS", self._redis.exists, self._name(key)))
 
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self._name(key))
+        return [bool(n) for n in self._call("EXISTS", pipe.execute)]
+
     def list(self, prefix: str = "") -> list[EntryInfo]:
         members = self._call("ZRANGE", self._redis.zrange, self._lru, 0, -1, withscores=True)
         # any client of the server can add members: one that is no key of ours is skipped
