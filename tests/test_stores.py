@@ -59,6 +59,7 @@ def test_put_get_list_touch_delete(store: Store) -> None:
     store.mark_used([])
     asked = ["a/one.bin", "a/none.bin", "b.bin", "a/two.bin", "a", "c/one.bin"]
     assert store.exists_many(asked) == [True, False, True, True, False, False] and store.exists_many([]) == []
+    assert store.has_many(asked) == store.exists_many(asked)
     assert store.delete("a/one.bin") and not store.delete("a/one.bin")
     with pytest.raises(EntryNotFoundError):
         store.get("a/one.bin")
@@ -198,6 +199,9 @@ def test_tagged_objects_verify_and_refuse_forgeries(store: Store, monkeypatch: p
     raw._put("a/flipped.lcg", bytes(flipped))
     with pytest.raises(AuthenticationError):
         keyed.get("a/flipped.lcg")
+    names = ["a/entry.lcg", "a/forged.lcg", "a/replayed.lcg", "a/flipped.lcg", "a/none.lcg"]
+    assert keyed.has_many(names) == [True, False, False, False, False]  # what get() would return
+    assert raw.has_many(names) == [True, True, True, True, False]
     monkeypatch.setenv(KEY_ENV, "k1")  # the environment variable is the default key
     assert open_store(str(url)).get("a/entry.lcg") == b"honest bytes"
     with pytest.raises(InvalidArgumentError, match="needs a key"):

@@ -531,7 +531,8 @@ def _save_chunks(
     fp_key = fingerprint_key(fingerprint)
     level_bytes: dict[str, int] = {}
     for level in levels:
-        missing = [i for i, key in enumerate(keys) if not store.has(_chunk_key(key, level))]
+        held = store.has_many([_chunk_key(key, level) for key in keys])
+        missing = [i for i, there in enumerate(held) if not there]
         present += len(keys) - len(missing)
         for i in set(range(len(keys))) - set(missing):
             manifest.chunks[i].sizes[level] = None  # stored by an earlier save: never re-encoded

@@ -164,6 +164,10 @@ class Store(ABC):
             return False
         return True
 
+    def has_many(self, keys: Sequence[str]) -> list[bool]:
+        """has() of each key, in order: one round trip (exists_many) when no key is configured."""
+        return self.exists_many(keys) if self.auth_key is None else [self.has(k) for k in keys]
+
     @abstractmethod
     def list(self, prefix: str = "") -> list[EntryInfo]:
         """Every entry whose key starts with `prefix` (a folder-like prefix ending in '/' or '')."""
