@@ -5,15 +5,27 @@ subprocess (a crash fails the test instead of killing pytest). Only CacheGenErro
 The containers (whole, and chunked: skeletons, statistics, chunks decoded into their place) are
 encoded here from synthetic states (conftest.py), so the mutants follow
 whatever container format the native library writes. A longer campaign: run this file's script
-by hand with a larger FUZZ_MUTANTS and other FUZZ_SEED values (under ASan/UBSan builds too).
+by hand with a larger FUZZ_MUTANTS and other FUZZ_SEED values. The same mutants run once more on
+the library built with AddressSanitizer and UBSan (LCG_SANITIZE), where a read out of bounds that
+happens not to crash fails too; that build is kept in the cache folder, keyed by the native
+sources, so a later run with the same sources skips it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import llama_cachegen
+import pytest
+from llama_cachegen.model import cache_dir
+
+ROOT = Path(__file__).resolve().parent.parent
 
 _FUZZER = r"""
 import json, os, random, struct, sys, time
@@ -137,20 +149,73 @@ print(json.dumps({"mutants": n_mutants, "seconds": time.monotonic() - start, "co
 """
 
 
-def test_mutants_raise_only_cachegen_errors(tmp_path: Path) -> None:
+def _fuzz(env: dict[str, str] | None = None) -> dict:
+    """Runs the fuzzer; its report."""
     proc = subprocess.run(
         [sys.executable, "-c", _FUZZER, str(Path(__file__).parent)],
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
     assert proc.returncode == 0, f"the fuzzer died (exit {proc.returncode}): {proc.stderr[-3000:]}"
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["n_failures"] == 0, json.dumps(report["failures"], indent=1)
-    counts = report["counts"]
+    return report
+
+
+def test_mutants_raise_only_cachegen_errors() -> None:
+    counts = _fuzz()["counts"]
     # the mutants reached every parser, and some were refused by each
     chunked = ("decode_chunk", "decode_stats", "decode_skeleton")
     for target in ("decode", "inspect", "user_meta", "envelope", "envelope_bytes", *chunked):
         assert (
             sum(n for k, n in counts.items() if k.startswith(f"{target}:") and not k.endswith("accepted")) > 0
         )
+
+
+def _sanitized_library() -> Path:
+    """libllama_cachegen built with LCG_SANITIZE, in the cache folder under a hash of the sources."""
+    sources = [ROOT / "CMakeLists.txt", *sorted((ROOT / "native").rglob("*.[ch]*"))]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
+    build = cache_dir() / f"asan-build-{digest}"
+    library = build / "libllama_cachegen.so"
+    if not library.is_file():
+        for old in cache_dir().glob("asan-build-*"):  # other sources' builds
+            shutil.rmtree(old, ignore_errors=True)
+        config = ["-DLCG_SANITIZE=ON", "-DLCG_CUDA=OFF", "-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
+        subprocess.run(["cmake", "-S", ROOT, "-B", build, *config], check=True, capture_output=True)
+        subprocess.run(
+            ["cmake", "--build", build, "--target", "llama_cachegen", "-j", str(os.cpu_count() or 1)],
+            check=True,
+            capture_output=True,
+        )
+    return library
+
+
+def test_mutants_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path) -> None:
+    runtimes = [
+        subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        for name in ("libasan.so", "libubsan.so")
+    ]
+    if shutil.which("cmake") is None or not all(os.path.isabs(r) for r in runtimes):
+        pytest.skip("needs cmake and gcc's sanitizer runtimes")
+    package = tmp_path / "llama_cachegen"  # the installed package, with the sanitized library
+    shutil.copytree(Path(llama_cachegen.__file__).parent, package)
+    shutil.copy(_sanitized_library(), package / "libllama_cachegen.so")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(tmp_path),
+        LD_PRELOAD=" ".join(runtimes),
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",  # Python's own allocations are no leaks of ours
+        UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import llama_cachegen; print(open('/proc/self/maps').read())"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert str(package / "libllama_cachegen.so") in loaded and "libasan" in loaded  # the fuzzer's library
+    assert _fuzz(env)["mutants"] > 0
