@@ -211,8 +211,8 @@ std::vector<float> sample_rows(const uint8_t * base, const TensorDesc & t, const
 // less each channel's mean. llama.cpp's block quantizers spend their range on a channel's steady
 // value (Qwen2.5's key biases: its q5_1 and q4_0 caches give KL 0.2-9 per token), which our
 // quantizer subtracts; budgeted by that error, Qwen2.5 0.5B's first keys took steps 3-10x a healthy
-// layer's, and `balanced` KL 0.09 where q8_0's is 0.012. Healthy keys measure 1.9-3.5x (SmolLM2,
-// Qwen2.5's other layers), values 1.0-1.3x: a guard above both leaves their steps as they were.
+// layer's, and `balanced` KL 0.09 where q8_0's is 0.012. Healthy keys measure 1.9-3.9x (SmolLM2,
+// Gemma 3, Qwen2.5's other layers), values 1.0-1.3x: a guard above both leaves their steps as they were.
 constexpr double MEAN_GUARD = 8.0;
 
 // The error budget of a tensor under knobs with a reference type: ref_scale x the squared error
