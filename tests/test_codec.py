@@ -410,6 +410,17 @@ def test_a_channels_steady_value_does_not_coarsen_the_others() -> None:
             rms[bias, level] = float(np.sqrt(np.mean(diff**2)))
     for level in ("high", "balanced", "compact"):
         assert 0 < rms[300.0, level] <= 3.0 * rms[0.0, level], (level, rms)
+    # the budget is measured on a sample of rows (every second one here): rows it finds all alike
+    # said nothing of the others, and took the step 1 of a constant channel (error 0.29 at every
+    # level, from a review of the guard)
+    state = bytearray(seq_buffer(memory))
+    k = np.frombuffer(state, np.float16, n * width, k_at).reshape(n, width)
+    k[::2] = k[0]
+    for level in ("high", "balanced", "compact"):
+        out = codec.decode(codec.encode(bytes(state), level, threads=1))
+        k_out = np.frombuffer(bytes(out), np.float16, n * width, k_at).reshape(n, width)
+        diff = k_out[5::2].astype(np.float64) - k[5::2]
+        assert float(np.sqrt(np.mean(diff**2))) <= 1.5 * rms[0.0, level], level
 
 
 def test_a_buffer_too_small_for_decode_into_is_the_callers_error() -> None:

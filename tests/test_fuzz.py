@@ -183,13 +183,17 @@ def _sanitized_library() -> Path:
     if not library.is_file():
         for old in cache_dir().glob("asan-build-*"):  # other sources' builds
             shutil.rmtree(old, ignore_errors=True)
+        # gcc's: the runtimes preloaded are gcc's (a CC=clang build would need clang's)
         config = ["-DLCG_SANITIZE=ON", "-DLCG_CUDA=OFF", "-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
-        subprocess.run(["cmake", "-S", ROOT, "-B", build, *config], check=True, capture_output=True)
-        subprocess.run(
+        config += ["-DCMAKE_C_COMPILER=gcc", "-DCMAKE_CXX_COMPILER=g++"]
+        for command in (
+            ["cmake", "-S", ROOT, "-B", build, *config],
             ["cmake", "--build", build, "--target", "llama_cachegen", "-j", str(os.cpu_count() or 1)],
-            check=True,
-            capture_output=True,
-        )
+        ):
+            proc = subprocess.run(command, capture_output=True, text=True)
+            assert proc.returncode == 0, (
+                f"{command[:2]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
     return library
 
 

@@ -257,8 +257,9 @@ def test_token_guards_writes_deletes_and_listings(token_server: tuple[str, Path]
         owner.put("t/one.bin", b"1")
         assert anon.get("t/one.bin") == b"1" and anon.exists("t/one.bin")  # single reads stay open
         # a POST needs the token: asked key by key instead, as reads are
+        assert anon.bulk_exists and owner.bulk_exists
         assert anon.exists_many(["t/one.bin", "t/two.bin"]) == owner.exists_many(["t/one.bin", "t/two.bin"])
-        assert anon.exists_many(["t/one.bin"]) == [True]
+        assert not anon.bulk_exists and owner.bulk_exists and anon.exists_many(["t/one.bin"]) == [True]
         for call in (
             lambda: anon.put("t/two.bin", b"2"),
             lambda: anon.delete("t/one.bin"),
@@ -362,6 +363,9 @@ def test_expect_continue_is_answered_only_after_the_token_check(token_server: tu
     for head, status in (
         (b"PUT /e.bin HTTP/1.1\r\n" + _AUTH + b"Content-Encoding: gzip\r\n" + expect, b"415"),
         (b"PUT /e.bin HTTP/1.1\r\n" + _AUTH + b"Expect: 200-ok\r\nContent-Length: 6\r\n", b"417"),
+        # a body over the limit is refused before it is asked for, not after
+        (b"PUT /e.bin HTTP/1.1\r\n" + _AUTH + b"Expect: 100-continue\r\nContent-Length: 100001\r\n", b"413"),
+        (b"POST / HTTP/1.1\r\n" + _AUTH + b"Expect: 100-continue\r\n", b"411"),
     ):
         assert _exchange(port, head + b"\r\n").startswith(b"HTTP/1.1 " + status + b" ")
     with socket.create_connection(("127.0.0.1", port)) as s:

@@ -12,7 +12,6 @@ namespace lcg {
 
 namespace {
 
-constexpr float MIN_STEP = 6.103515625e-05f;  // smallest normal f16
 // Squared error relative to the reference cache type's, per level. Measured with `eval`-style runs
 // (teacher-forced KL over 256 tokens against the untouched state) on SmolLM2 (the repo's three
 // texts at 2,048 tokens; asyncio's source, a German man page, `man bash` at 300-4,096), Gemma 3

@@ -50,6 +50,8 @@ double reference_sq_error(const float * rows, size_t n_rows, uint32_t n_units, i
 // Step (in standard deviations) of a layer: linear from first_layer_scale x last to last.
 float layer_step(const QuantKnobs & k, bool is_v, uint32_t layer, uint32_t n_layer);
 
+constexpr float MIN_STEP = 6.103515625e-05f;  // smallest normal f16: the finest step a quantizer stores
+
 // Per-channel quantizer, stored as two f16 values so that encoder and decoder use the same numbers.
 struct ChannelQuant {
     uint16_t mean_f16;

@@ -239,7 +239,10 @@ double reference_budget(const TensorDesc & t, const QuantKnobs & k, const std::v
         }
     }
     const double err_centered = reference_sq_error(centered.data(), n_rows, n, k.ref_type, rot);
-    return k.ref_scale * std::min(err, MEAN_GUARD * err_centered) / static_cast<double>(n_rows);
+    // sampled rows all alike (a period of the text that the sample's stride meets) tell nothing
+    // of the others' variation: no guard then
+    const double guarded = err_centered > 0.0 ? std::min(err, MEAN_GUARD * err_centered) : err;
+    return k.ref_scale * guarded / static_cast<double>(n_rows);
 }
 
 // Rotates back channels [u0, u0 + gn) of every cell, loaded in v (load_values), by the tensor's
@@ -628,10 +631,14 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     }
     const double tensor_sd = std::sqrt(per_row / t.n_units);
     double rel = layer_step(k, t.is_v, t.layer, t.n_layer);
+    bool finest = false;
     if (k.ref_type >= 0) {
         const double budget = reference_budget(t, k, sample);
         const double ramp = layer_step(k, t.is_v, t.layer, t.n_layer) / (t.is_v ? k.v_step : k.k_step);
         rel = per_row > 0.0 ? std::sqrt(12.0 * budget / per_row) * ramp : 1.0;
+        // a budget of 0 (every sampled row quantizes exactly) for a tensor that varies: the finest
+        // step, never the step 1 that channel_quant gives a constant group
+        finest = per_row > 0.0 && !(rel > 0.0);
     }
     double widest = 0.0;  // the largest |q| a group's values can reach
     std::vector<double> group_step(s.n_groups);  // rel x the tensor's (RoPE: the group's) deviation
@@ -641,7 +648,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         for (uint32_t u = u0; u < u1; u++) {
             mean_max = std::max(mean_max, std::fabs(mean_d[u]));
         }
-        group_step[gi] = rel * (s.rope.pairing ? std::sqrt(group_var[gi]) : tensor_sd);
+        group_step[gi] = finest ? MIN_STEP : rel * (s.rope.pairing ? std::sqrt(group_var[gi]) : tensor_sd);
         if (group_step[gi] > 0.0) {
             widest = std::max(widest, (k.anchor_tokens ? 2.0 : 1.0) * (group_max[gi] + mean_max) / group_step[gi]);
         }

@@ -960,7 +960,7 @@ def longest_prefix(
         return _match(store, model_fingerprint(llm), token_ids(llm, tokens), chunk_tokens)
 
 
-_MATCH_ROUND = 4  # chunks in a prefix lookup's first round: a miss costs no more than a lookup of 4
+_MATCH_ROUND = 4  # chunks in a bulk prefix lookup's first round: a miss costs one round trip
 
 
 def _match(
@@ -971,14 +971,15 @@ def _match(
     probe: Sequence[str] = codec.LEVEL_ORDER,
 ) -> PrefixMatch:
     """The stored chunks that start `tokens`, each with the levels of `probe` it is stored at (a
-    caller of one level asks for it alone: a prompt cache looks up at every completion). The
-    store is asked in rounds of _MATCH_ROUND, 4, 16, ... chunks' keys, one round trip each where
-    the store has it (exists_many): one request per key took 0.5 ms each on a local HTTP store,
-    and a proxy asks about every level of every chunk of every prompt."""
+    caller of one level asks for it alone: a prompt cache looks up at every completion). A store
+    that asks many keys in one round trip (bulk_exists) is asked in rounds of 4, 16, 64, ...
+    chunks: one request per key took 0.5 ms each on a local HTTP store, and a proxy asks about
+    every level of every chunk of every prompt. Others are asked chunk by chunk, up to the first
+    chunk stored at none."""
     chain = chain_keys(fingerprint, tokens, chunk_tokens)
     keys: list[str] = []
     levels: list[tuple[str, ...]] = []
-    size = _MATCH_ROUND
+    size = _MATCH_ROUND if store.bulk_exists else 1
     while len(keys) < len(chain):
         batch = chain[len(keys) : len(keys) + size]
         flags = iter(store.exists_many([_chunk_key(key, lv) for key in batch for lv in probe]))
@@ -988,7 +989,7 @@ def _match(
         levels += found[:n]
         if n < len(batch):
             break
-        size *= 4
+        size *= 4 if store.bulk_exists else 1
     positions = min(len(keys) * chunk_tokens, int(tokens.size))
     return PrefixMatch(chunk_tokens, len(keys), positions, keys, levels)
 

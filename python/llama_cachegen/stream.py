@@ -538,7 +538,7 @@ class _Loader:
         self.state: np.ndarray | None = None
         self.skeleton = b""
         self.per_token = 0.0  # f16 state bytes per position
-        self.size_rates: dict[str, float] = {}  # _bytes_per_token's, per level
+        self.size_rates: dict[str, float | None] = {}  # _bytes_per_token's, per level (None: no size given)
         self.skeleton_s = 0.0
         self.ewma_inv: float | None = None  # smoothed seconds per byte of the chunk fetches
         self.sum_bytes, self.sum_s = 0, 0.0  # every chunk fetch so far
@@ -568,17 +568,16 @@ class _Loader:
         earlier save): that of the chunks it gives sizes for, else a guess from the f16 state's.
         Kept per level once known (summed at every ask, a prefix-sharing load of 128 chunks spent
         4 ms per plan search here, 0.6 ms in all with sizes)."""
-        rate = self.size_rates.get(level)
-        if rate is None:
+        if level not in self.size_rates:
             known = [
                 (e.sizes[level], b1 - b0)
                 for e, (b0, b1) in zip(self.m.chunks, self.ranges, strict=True)
                 if e.sizes.get(level) is not None
             ]
-            if not known:  # the f16 state's size is known once the skeleton is in
-                return _GUESS_RATIO.get(level, 1.0) * self.per_token
-            rate = self.size_rates[level] = sum(s for s, _ in known) / sum(t for _, t in known)
-        return rate
+            self.size_rates[level] = sum(s for s, _ in known) / sum(t for _, t in known) if known else None
+        rate = self.size_rates[level]
+        # none given (every chunk stored before): the f16 state's size is known once the skeleton is in
+        return _GUESS_RATIO.get(level, 1.0) * self.per_token if rate is None else rate
 
     def _inv(self) -> float | None:
         """Seconds per byte the plans assume: the slower of the smoothed and the mean rate of the

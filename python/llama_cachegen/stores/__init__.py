@@ -115,6 +115,7 @@ class Store(ABC):
 
     url: str
     auth_key: bytes | None = None
+    bulk_exists = False  # exists_many asks in one round trip (else key by key)
 
     def __init__(self, *, auth_key: AuthKey = None) -> None:
         self.auth_key = resolve_key(auth_key)

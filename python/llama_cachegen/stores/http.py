@@ -31,7 +31,7 @@ import sys
 import threading
 import urllib.parse
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,9 @@ TOKEN_ENV = "LLAMA_CACHEGEN_TOKEN"
 MAX_BODY = 8 << 30  # refuse uploads beyond this: a state of 8 GiB is already far past any real one
 MAX_POST_BODY = 1 << 20  # a mark_used or exists request's JSON: ~10,000 keys (a 128K context's chain: ~1,500)
 POSTS_AT_ONCE = 4  # such requests parsed at once: one takes ~20 MB of Python objects at most
-EXISTS_AT_ONCE = 4096  # keys per exists request a client sends (~400 KB of JSON)
+EXISTS_BODY = MAX_POST_BODY // 2  # bytes of keys per exists request a client sends (~5,000 chunk keys)
+# an exists request answered so: a server that does not take it (or not from this client)
+_REFUSED = frozenset({400, 401, 403, 405, 413, 501})
 BODY_TIMEOUT_S = 60.0  # an upload that sends nothing for this long is dropped
 KEEPALIVE_S = 30.0  # idle connections (and connections that never send a request) are closed
 SWEEP_EVERY_S = 600.0  # how often the server removes the temporaries of uploads that died
@@ -125,6 +127,28 @@ class _Retry(urllib3.Retry):
         return super().increment(*args, **kwargs)
 
 
+class HttpStatusError(StoreError):
+    """A store error the server answered with an HTTP status (http_status)."""
+
+    def __init__(self, http_status: int, message: str) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+
+
+def _batches(keys: list[str], max_bytes: int) -> Iterator[list[str]]:
+    """`keys` in order, in runs whose JSON list stays under max_bytes."""
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        if batch and size + len(key) + 4 > max_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += len(key) + 4  # quotes, comma, space
+    if batch:
+        yield batch
+
+
 class HttpStore(Store):
     def __init__(
         self,
@@ -142,7 +166,7 @@ class HttpStore(Store):
         self._root = "/".join(s for s in parts.path.split("/") if s)  # a key prefix on the server
         token = os.environ.get(TOKEN_ENV, "").strip() if token is None else token
         self._headers = {"Authorization": f"Bearer {_check_token(token)}"} if token else {}
-        self._bulk_exists = True  # False once the server refused an exists request
+        self.bulk_exists = True  # False once the server refused an exists request
         # each reading thread's GET in flight (close ends them); an entry lives as long as its
         # thread (a thread-local holds it)
         self._local = threading.local()
@@ -192,10 +216,14 @@ class HttpStore(Store):
                 if "Authorization" in self._headers
                 else f"the server needs a token: token= or {TOKEN_ENV}"
             )
-            raise StoreError(f"HTTP {method} {url}: {response.status} {response.reason} ({hint})")
+            raise HttpStatusError(
+                response.status, f"HTTP {method} {url}: {response.status} {response.reason} ({hint})"
+            )
         if response.status >= 300:  # a redirect is not followed (redirect=False): nothing was stored or read
             detail = head.decode("utf-8", "replace").strip()
-            raise StoreError(f"HTTP {method} {url}: {response.status} {response.reason}: {detail}")
+            raise HttpStatusError(
+                response.status, f"HTTP {method} {url}: {response.status} {response.reason}: {detail}"
+            )
         return response
 
     def _get(self, key: str) -> bytes:
@@ -267,16 +295,18 @@ class HttpStore(Store):
             self._request("POST", "", body, listing=True)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """One request per EXISTS_AT_ONCE keys. A server that refuses it (a token this client
-        lacks: POSTs need one) is asked key by key from then on, as reads are."""
+        """One request per EXISTS_BODY bytes of keys. A server that refuses it (a token this client
+        lacks: POSTs need one; a server before this request) is asked key by key from then on,
+        as reads are; one that fails raises, as a HEAD would."""
         out: list[bool] = []
-        for i in range(0, len(keys), EXISTS_AT_ONCE) if self._bulk_exists else ():
-            batch = [check_key(k) for k in keys[i : i + EXISTS_AT_ONCE]]
+        for batch in _batches([check_key(k) for k in keys], EXISTS_BODY) if self.bulk_exists else ():
             try:
                 answer = self._request("POST", "", json.dumps({"exists": batch}).encode(), listing=True)
                 flags = json.loads(answer.data)
-            except StoreError:
-                self._bulk_exists = False
+            except (EntryNotFoundError, HttpStatusError) as exc:
+                if isinstance(exc, HttpStatusError) and exc.http_status not in _REFUSED:
+                    raise
+                self.bulk_exists = False
                 break
             except ValueError as exc:
                 raise StoreError(f"HTTP POST {self.url}: the exists answer is not JSON ({exc})") from exc
@@ -361,7 +391,8 @@ class _Server:
             await task
 
     def _refusal(self, request: web.Request) -> web.StreamResponse | None:
-        """The answer to a request refused on its head alone (method, token, encoding); None: go on."""
+        """The answer to a request refused on its head alone (method, token, encoding, the size its
+        body declares); None: go on."""
         path = request.path
         listing = path.endswith("/") or not path.strip("/")
         if request.method not in ("GET", "HEAD", "PUT", "DELETE", "POST"):
@@ -383,6 +414,17 @@ class _Server:
         ):
             # aiohttp would inflate it: a gzip bomb of 51 KB stored 50 MB
             return _closing(415, "a body with a Content-Encoding is not accepted: send its bytes as they are")
+        declared = request.content_length
+        if request.method == "PUT":
+            if declared is None and "chunked" not in request.headers.get("Transfer-Encoding", "").lower():
+                return _closing(411, "Content-Length required")
+            if declared is not None and declared > self.max_body:
+                return _closing(413, f"body over {self.max_body} bytes")
+        if request.method == "POST":
+            if declared is None:
+                return _closing(411, "Content-Length required")
+            if declared > MAX_POST_BODY:
+                return _closing(413, f"body over {MAX_POST_BODY} bytes")
         return None
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
@@ -396,6 +438,9 @@ class _Server:
             return _closing(417, f"Expect: {request.headers.get('Expect')} is not supported")
         if request.version == HttpVersion11:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            # as aiohttp's own handler: no byte of the response is out yet (a route that raises
+            # then gets its 500 instead of a dropped connection)
+            request.writer.output_size = 0
         return None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -456,12 +501,8 @@ class _Server:
             f.close()
 
     async def _post(self, request: web.Request, folder: str) -> web.StreamResponse:
-        """`{"mark_used": [keys]}` or `{"exists": [keys]}`, keys under `folder`."""
-        declared = request.content_length
-        if declared is None:
-            return _closing(411, "Content-Length required")
-        if declared > MAX_POST_BODY:
-            return _closing(413, f"body over {MAX_POST_BODY} bytes")
+        """`{"mark_used": [keys]}` or `{"exists": [keys]}`, keys under `folder` (a body of at most
+        MAX_POST_BODY bytes: _refusal)."""
         try:
             body = await asyncio.wait_for(request.read(), self.body_timeout)
         except asyncio.TimeoutError:
@@ -485,11 +526,7 @@ class _Server:
         return web.Response(status=204)
 
     async def _put(self, request: web.Request, key: str) -> web.StreamResponse:
-        declared = request.content_length
-        if declared is None and "chunked" not in request.headers.get("Transfer-Encoding", "").lower():
-            return _closing(411, "Content-Length required")
-        if declared is not None and declared > self.max_body:
-            return _closing(413, f"body over {self.max_body} bytes")
+        declared = request.content_length  # at most max_body (_refusal)
         pending: PendingWrite = await self._run(self.store.begin_write, key)
         try:
             while chunk := await asyncio.wait_for(request.content.readany(), self.body_timeout):

@@ -116,6 +116,8 @@ class RedisStore(Store):
     def exists(self, key: str) -> bool:
         return bool(self._call("EXISTS", self._redis.exists, self._name(key)))
 
+    bulk_exists = True
+
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
