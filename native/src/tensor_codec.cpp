@@ -232,10 +232,13 @@ double reference_budget(const TensorDesc & t, const QuantKnobs & k, const std::v
             mean[u] += rows[r * n + u];
         }
     }
+    for (double & m : mean) {
+        m /= static_cast<double>(n_rows);
+    }
     std::vector<float> centered(rows.size());
     for (size_t r = 0; r < n_rows; r++) {
         for (uint32_t u = 0; u < n; u++) {
-            centered[r * n + u] = static_cast<float>(rows[r * n + u] - mean[u] / static_cast<double>(n_rows));
+            centered[r * n + u] = static_cast<float>(rows[r * n + u] - mean[u]);
         }
     }
     const double err_centered = reference_sq_error(centered.data(), n_rows, n, k.ref_type, rot);
