@@ -710,6 +710,7 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
         b' {"key": "listing/bad key", "size": 1, "mtime": 0}]',
         "/infinite/": b'[{"key": "infinite/a", "size": 1e400, "mtime": 0}]',
     }
+    EXISTS = {"/short/": b"[true]", "/text/": b"yes", "/ints/": b"[1, 0]"}  # answers to two keys
 
     def _answer(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -720,15 +721,16 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(self.BOMB)
             return
-        body = self.LISTINGS.get(self.path, b"redirect!")
-        self.send_response(200 if self.path in self.LISTINGS else 302)
+        answers = self.EXISTS if self.command == "POST" else self.LISTINGS
+        body = answers.get(self.path, b"redirect!")
+        self.send_response(200 if self.path in answers else 302)
         self.send_header("Location", "http://127.0.0.1:9/elsewhere")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    do_GET = do_PUT = do_DELETE = do_HEAD = _answer
+    do_GET = do_PUT = do_DELETE = do_HEAD = do_POST = _answer
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -749,9 +751,13 @@ def test_a_client_takes_no_redirect_or_foreign_listing_for_an_answer() -> None:
                 lambda: store.get("a.bin"),
                 lambda: store.exists("a.bin"),
                 lambda: store.delete("a.bin"),
+                lambda: store.exists_many(["a.bin"]),  # a redirect is no refusal: not asked key by key
             ):
                 with pytest.raises(StoreError, match="302"):
                     call()
+        for name in _Hostile.EXISTS:  # an exists answer that is not one boolean per key
+            with open_store(f"{base}{name}") as store, pytest.raises(StoreError, match="exists answer"):
+                store.exists_many(["a.bin", "b.bin"])
         with open_store(f"{base}/listing") as store:
             assert [e.key for e in store.list()] == ["ok.bin"]
         with open_store(f"{base}/infinite") as store, pytest.raises(StoreError, match="unreadable listing"):
