@@ -144,7 +144,10 @@ def kv_cache_bytes(
     dtype: str = "f16",
     seqs_per_cell: int = 1,
 ) -> bytes:
-    """One llama_kv_cache::state_write section with random K/V values."""
+    """One llama_kv_cache::state_write section with random K/V values (q8_0: quantized as ggml's
+    reference quantizer does, 34-byte blocks of 32 values; n_embd a multiple of 32)."""
+    if dtype == "q8_0":
+        return _q8_0_kv_cache_bytes(rng, n_layer, n_embd, cells_per_stream)
     type_id, np_type = {"f16": (1, np.float16), "f32": (0, np.float32)}[dtype]
     out = bytearray(struct.pack("<I", len(cells_per_stream)))
     for n_cells in cells_per_stream:
@@ -168,6 +171,41 @@ def kv_cache_bytes(
                     out += struct.pack("<iII", type_id, item, n_embd) + v.T.copy().tobytes()
                 else:
                     out += struct.pack("<iQ", type_id, n_embd * item) + v.tobytes()
+    return bytes(out)
+
+
+def q8_0_blocks(values: np.ndarray) -> np.ndarray:
+    """Rows of float values (width a multiple of 32) as q8_0 blocks, uint8 (rows, width / 32 * 34):
+    quantize_row_q8_0_ref (d = max|x| / 127 stored as f16, q = round(x / d), halves away from 0)."""
+    x = values.astype(np.float32).reshape(len(values), -1, 32)
+    d = np.abs(x).max(axis=-1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.trunc(x * inv + np.copysign(np.float32(0.5), x * inv)).astype(np.int8)
+    blocks = np.concatenate([d.astype(np.float16).view(np.uint8), q.view(np.uint8)], axis=-1)
+    return blocks.reshape(len(values), -1)
+
+
+def q8_0_values(blocks: np.ndarray) -> np.ndarray:
+    """q8_0 blocks (rows, n * 34) back to their float32 values (rows, n * 32)."""
+    b = blocks.reshape(len(blocks), -1, 34)
+    d = b[..., :2].copy().view(np.float16).astype(np.float32)
+    return (d * b[..., 2:].view(np.int8).astype(np.float32)).reshape(len(blocks), -1)
+
+
+def _q8_0_kv_cache_bytes(
+    rng: np.random.Generator, n_layer: int, n_embd: int, cells_per_stream: Sequence[int]
+) -> bytes:
+    out = bytearray(struct.pack("<I", len(cells_per_stream)))
+    for n_cells in cells_per_stream:
+        out += struct.pack("<I", n_cells)
+        if n_cells == 0:
+            continue
+        for pos in range(n_cells):
+            out += struct.pack("<iIi", pos, 1, 0)
+        out += struct.pack("<II", 0, n_layer)
+        for sd in [1.0] * n_layer + [0.5] * n_layer:  # K of every layer, then V
+            blocks = q8_0_blocks(rng.normal(0, sd, (n_cells, n_embd)))
+            out += struct.pack("<iQ", 8, blocks.shape[1]) + blocks.tobytes()
     return bytes(out)
 
 

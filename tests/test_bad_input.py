@@ -365,6 +365,20 @@ def test_unknown_transforms_are_refused(transform: int) -> None:
         lcg.decode(reseal(blob))
 
 
+def test_q8_0_values_are_refused_for_another_type() -> None:
+    """Coding 2 (a q8_0 tensor coded as its values) in the statistics of an f16 tensor is refused,
+    never decoded as something else."""
+    blob = bytearray(golden_container("balanced"))
+    _, _, off, _ = next(s for s in sections(bytes(blob)) if s[0] == 5)
+    assert blob[off] == 1  # u8 coding: lossy
+    blob[off] = 2
+    with pytest.raises(lcg.CorruptDataError, match="q8_0 values coded for a f16 tensor"):
+        lcg.decode(reseal(blob))
+    blob[off] = 3
+    with pytest.raises(lcg.CorruptDataError, match="coding 3"):
+        lcg.decode(reseal(blob))
+
+
 def test_raw_bits_are_checked() -> None:
     """`high` sends two low bits of each q raw; a stats section that claims more than 4, or another
     count than its slices hold, is refused (checksums resealed), never decoded as something else."""

@@ -125,8 +125,8 @@ def test_lossy_round_trip_keeps_everything_but_kv_payloads(
     assert codec.encode_skeleton(out) == codec.encode_skeleton(state)
     assert lcg.encode(out, "lossless") and lcg.decode(lcg.encode(out, "lossless")) == out
     lossless = lcg.encode(state, "lossless")
-    if name == "seq_q8_0":
-        assert out == state  # quantized caches are always carried losslessly
+    if name == "seq_q8_0" and level == "high":
+        assert out == state  # a q8_0 cache is at q8_0's quality already: `high` carries it exactly
     else:
         assert out != state and len(blob) < len(lossless)
 
@@ -421,6 +421,51 @@ def test_a_channels_steady_value_does_not_coarsen_the_others() -> None:
         k_out = np.frombuffer(bytes(out), np.float16, n * width, k_at).reshape(n, width)
         diff = k_out[5::2].astype(np.float64) - k[5::2]
         assert float(np.sqrt(np.mean(diff**2))) <= 1.5 * rms[0.0, level], level
+
+
+def _q5_1_sq_error(values: np.ndarray) -> float:
+    """ggml's quantize_row_q5_1_ref squared error on rows of 32-value blocks, per value."""
+    x = values.reshape(-1, 32).astype(np.float32)
+    lo, hi = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+    d = (hi - lo) / np.float32(31)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.minimum(31, ((x - lo) * inv + np.float32(0.5)).astype(np.int32))
+    back = q * d.astype(np.float16).astype(np.float32) + lo.astype(np.float16).astype(np.float32)
+    return float(np.mean((x - back) ** 2))
+
+
+def test_a_q8_0_cache_is_coded_as_its_values_at_the_levels_below_it() -> None:
+    """A q8_0 cache (llama.cpp's -ctk/-ctv q8_0) was carried exactly at every level: 1.0x. Below
+    `high` its values are coded lossily now, to the level's budget on those values, and quantized
+    back into q8_0 blocks as llama.cpp's reference quantizer makes them; the exact rows (attention
+    sinks) come back bit for bit, and `high` stays exact."""
+    from conftest import kv_cache_bytes, q8_0_blocks, q8_0_values, seq_buffer
+
+    n, width = 256, 128
+    state = seq_buffer(
+        kv_cache_bytes(np.random.default_rng(6), n_layer=2, n_embd=width, cells_per_stream=(n,), dtype="q8_0")
+    )
+    row = width // 32 * 34
+    k_at = 8 + 4 + 4 + n * 12 + 8 + 12  # seq header, n_stream, cell_count, cells, v_trans, n_layer, K's head
+
+    def k_blocks(buf: bytes) -> np.ndarray:
+        return np.frombuffer(buf, np.uint8, n * row, k_at).reshape(n, row)
+
+    lossless = lcg.encode(state, "lossless")
+    assert lcg.decode(lcg.encode(state, "high")) == state
+    k = q8_0_values(k_blocks(state))
+    errors = {}
+    for level in ("balanced", "compact"):
+        blob = lcg.encode(state, level)
+        assert len(blob) < 0.7 * len(lossless), (level, len(blob), len(lossless))
+        out = bytes(lcg.decode(blob))
+        assert len(out) == len(state) and lcg.inspect_state(out) == lcg.inspect_state(state)
+        blocks = k_blocks(out)
+        assert np.array_equal(blocks[:4], k_blocks(state)[:4])  # the sink rows, exact
+        assert np.array_equal(q8_0_blocks(q8_0_values(blocks)), blocks)  # blocks the quantizer makes
+        errors[level] = float(np.mean((q8_0_values(blocks)[4:] - k[4:]) ** 2))
+    # balanced: 2.5x q5_1's squared error on these values (its budget), plus q8_0's rounding
+    assert 0 < errors["balanced"] <= 1.2 * 2.5 * _q5_1_sq_error(k[4:]) < errors["compact"]
 
 
 def test_a_buffer_too_small_for_decode_into_is_the_callers_error() -> None:

@@ -231,6 +231,13 @@ def check_bad_input_never_faults() -> None:
     blob = lcg.encode(_state(37, 24, True, "normal"), "balanced", transform="anchor-delta")
     with pytest.raises(lcg.UnsupportedFormatError, match="anchor/delta"):
         lcg.decode(blob, device="cuda")
+    # so do the values of a q8_0 cache coded lossily
+    blob = lcg.encode(
+        seq_buffer(kv_cache_bytes(np.random.default_rng(1), n_embd=64, cells_per_stream=(64,), dtype="q8_0")),
+        "balanced",
+    )
+    with pytest.raises(lcg.UnsupportedFormatError, match="q8_0"):
+        lcg.decode(blob, device="cuda")
     # a destination too small is refused before anything runs
     small = lcg.DeviceBuffer(10)
     status = lib.lcg_decode_device(blobs[0], len(blobs[0]), ffi.cast("void *", small.ptr), 10, ffi.NULL)

@@ -174,6 +174,8 @@ struct DeviceSink : DecodeSink {
                   "tensor %zu is coded with the anchor/delta transform, which decodes on the CPU only", i);
         LCG_CHECK(!s.rope.pairing, LCG_ERR_UNSUPPORTED_FORMAT,
                   "tensor %zu is coded with the RoPE transform, which decodes on the CPU only", i);
+        LCG_CHECK(!s.requantized, LCG_ERR_UNSUPPORTED_FORMAT,
+                  "tensor %zu holds a q8_0 cache's values coded lossily, which decode on the CPU only", i);
         const DeviceStats::Tensor at = cached ? cached->tensors[i] : put_stats(arena, dec);
         cuda::TensorJob t{};
         t.dst = dst_t.offset;

@@ -303,6 +303,34 @@ double reference_sq_error(const float * rows, size_t n_rows, uint32_t n_units, i
     return reference_sq_error_body<false>(rows, n_rows, n_units, ref_type, rot);
 }
 
+void dequantize_q8_0_row(const uint8_t * blocks, uint32_t n_blocks, float * out) {
+    for (uint32_t b = 0; b < n_blocks; b++, blocks += Q8_0_BYTES, out += Q8_0_VALUES) {
+        uint16_t dh;
+        std::memcpy(&dh, blocks, 2);
+        const float d = f16_to_f32(dh);
+        for (uint32_t j = 0; j < Q8_0_VALUES; j++) {
+            out[j] = d * static_cast<float>(static_cast<int8_t>(blocks[2 + j]));
+        }
+    }
+}
+
+void quantize_q8_0_row(const float * values, uint32_t n_blocks, uint8_t * blocks) {
+    for (uint32_t b = 0; b < n_blocks; b++, blocks += Q8_0_BYTES, values += Q8_0_VALUES) {
+        float amax = 0.0f;
+        for (uint32_t j = 0; j < Q8_0_VALUES; j++) {
+            amax = std::max(amax, std::fabs(values[j]));
+        }
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const uint16_t dh = f32_to_f16(d);
+        std::memcpy(blocks, &dh, 2);
+        for (uint32_t j = 0; j < Q8_0_VALUES; j++) {
+            // within [-127, 127] for finite values; a forged container's inf must not reach the cast
+            const float q = std::round(values[j] * id);
+            blocks[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::isfinite(q) ? std::clamp(q, -127.0f, 127.0f) : 0.0f));
+        }
+    }
+}
+
 ChannelQuant channel_quant(double mean, double step) {
     float s = static_cast<float>(step);
     if (!(s >= MIN_STEP)) {

@@ -47,6 +47,15 @@ constexpr int32_t GGML_Q8_0 = 8;
 // that block's error per value: the level keeps its meaning on such a model instead of a step.
 double reference_sq_error(const float * rows, size_t n_rows, uint32_t n_units, int32_t ref_type, uint32_t rot);
 
+// ggml's q8_0 block: an f16 scale d and 32 int8 q, value j = d * q[j] (exact in f32). A q8_0
+// cache holds ~8.5 bits per value, near q8_0's promise already: the levels coarser than q8_0 code
+// its values as f32 and quantize them back on decode, with ggml's reference quantizer, which gives
+// the same block back from its own values.
+constexpr uint32_t Q8_0_VALUES = 32;
+constexpr uint32_t Q8_0_BYTES = 34;
+void dequantize_q8_0_row(const uint8_t * blocks, uint32_t n_blocks, float * out);
+void quantize_q8_0_row(const float * values, uint32_t n_blocks, uint8_t * blocks);  // quantize_row_q8_0_ref
+
 // Step (in standard deviations) of a layer: linear from first_layer_scale x last to last.
 float layer_step(const QuantKnobs & k, bool is_v, uint32_t layer, uint32_t n_layer);
 

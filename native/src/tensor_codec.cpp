@@ -17,6 +17,7 @@ namespace {
 
 constexpr uint8_t CODING_LOSSLESS = 0;
 constexpr uint8_t CODING_LOSSY = 1;
+constexpr uint8_t CODING_LOSSY_Q8_0 = 2;  // lossy over a q8_0 tensor's values, quantized back on decode
 // How values are transformed before quantization (docs/format.md, "Stats section"): u16 =
 // id | rows per group << 8. Unknown ids are refused, so that a newer writer's transform is never
 // misread.
@@ -33,6 +34,23 @@ uint32_t group_size(uint32_t n_cells) {
         g *= 2;
     }
     return g;
+}
+
+// A q8_0 tensor is coded lossily at the levels whose reference is coarser than q8_0 (at `high` it
+// stays exact: the cache is at q8_0's quality already), as its values (q8_0_values): f32, one unit
+// per value. llama.cpp never transposes a quantized V.
+bool requantizable(const TensorDesc & t, const QuantKnobs & k) {
+    return t.ggml_type == GGML_Q8_0 && !t.transposed && (k.ref_type == GGML_Q5_1 || k.ref_type == GGML_Q4_0) &&
+           t.n_units <= UINT32_MAX / Q8_0_VALUES;
+}
+
+TensorDesc q8_0_values(const TensorDesc & t) {
+    TensorDesc v = t;
+    v.ggml_type = GGML_F32;
+    v.unit_bytes = 4;
+    v.n_units = t.n_units * Q8_0_VALUES;
+    v.offset = 0;
+    return v;
 }
 
 // Element (cell, unit) of a tensor lies at cell * cell + unit * unit bytes from its start.
@@ -216,15 +234,14 @@ std::vector<float> sample_rows(const uint8_t * base, const TensorDesc & t, const
 constexpr double MEAN_GUARD = 8.0;
 
 // The error budget of a tensor under knobs with a reference type: ref_scale x the squared error
-// of that llama.cpp cache type on a sample of its non-sink rows, per non-sink row, at most
-// MEAN_GUARD x that error on the rows less their channel means.
-double reference_budget(const TensorDesc & t, const QuantKnobs & k, const std::vector<float> & rows) {
+// of that llama.cpp cache type on a sample of its non-sink rows (rotated by rot first), per non-sink
+// row, at most MEAN_GUARD x that error on the rows less their channel means.
+double reference_budget(const TensorDesc & t, const QuantKnobs & k, const std::vector<float> & rows, uint32_t rot) {
     const uint32_t n = t.n_units;
     const size_t n_rows = rows.size() / n;
     if (n_rows == 0) {
         return 0.0;
     }
-    const uint32_t rot = reference_rotation(t);
     const double err = reference_sq_error(rows.data(), n_rows, n, k.ref_type, rot);
     std::vector<double> mean(n, 0.0);
     for (size_t r = 0; r < n_rows; r++) {
@@ -564,9 +581,11 @@ uint32_t choose_raw_bits(const std::vector<float> & sample, uint32_t n_units, ui
 // deviation as stored: with one step their KL doubled at `compact` for the same squared error
 // (SmolLM2, 384 tokens: 0.069 against 0.032 without RoPE; 0.039 with per-group steps). rel is the
 // knobs' fixed step, or the one whose squared error (a uniform quantizer's step^2 / 12 per value)
-// meets the reference budget.
+// meets the reference budget. The values of a quantized cache are stored rotated (`rotated`): the
+// reference quantizes them as they are.
 bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs & k, const RopeHint * hint,
-                   const std::vector<uint8_t> & is_sink, const std::vector<int32_t> & pos, TensorEncoder & e) {
+                   const std::vector<uint8_t> & is_sink, const std::vector<int32_t> & pos, bool rotated,
+                   TensorEncoder & e) {
     TensorStats & s = e.stats;
     std::vector<uint32_t> sampled;
     const std::vector<float> sample = sample_rows(base, t, is_sink, sampled);
@@ -636,7 +655,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     double rel = layer_step(k, t.is_v, t.layer, t.n_layer);
     bool finest = false;
     if (k.ref_type >= 0) {
-        const double budget = reference_budget(t, k, sample);
+        const double budget = reference_budget(t, k, sample, rotated ? 0 : reference_rotation(t));
         const double ramp = layer_step(k, t.is_v, t.layer, t.n_layer) / (t.is_v ? k.v_step : k.k_step);
         rel = per_row > 0.0 ? std::sqrt(12.0 * budget / per_row) * ramp : 1.0;
         // a budget of 0 (every sampled row quantizes exactly) for a tensor that varies: the finest
@@ -1350,7 +1369,7 @@ void decode_lossless(ByteReader & r, const TensorDesc & obj, const TensorDecoder
 } // namespace
 
 void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t) {
-    w.u8(s.lossy ? CODING_LOSSY : CODING_LOSSLESS);
+    w.u8(s.requantized ? CODING_LOSSY_Q8_0 : s.lossy ? CODING_LOSSY : CODING_LOSSLESS);
     w.u8(static_cast<uint8_t>(s.group));
     if (s.rope.pairing) {
         w.u16(TRANSFORM_ROPE);
@@ -1381,13 +1400,19 @@ void write_stats(ByteWriter & w, const TensorStats & s, const TensorDesc & t) {
     }
 }
 
-TensorStats read_stats(ByteReader & r, const TensorDesc & t) {
+TensorStats read_stats(ByteReader & r, const TensorDesc & stored) {
     TensorStats s;
     const uint8_t coding = r.u8();
     s.group = r.u8();
     const uint16_t transform = r.u16();
-    LCG_CHECK(coding <= CODING_LOSSY && (s.group == 8 || s.group == 16 || s.group == 32), LCG_ERR_CORRUPT,
+    LCG_CHECK(coding <= CODING_LOSSY_Q8_0 && (s.group == 8 || s.group == 16 || s.group == 32), LCG_ERR_CORRUPT,
               "tensor statistics: coding %u, group of %u units", coding, s.group);
+    s.requantized = coding == CODING_LOSSY_Q8_0;
+    LCG_CHECK(!s.requantized || (stored.ggml_type == GGML_Q8_0 && !stored.transposed &&
+                                 stored.n_units <= UINT32_MAX / Q8_0_VALUES),
+              LCG_ERR_CORRUPT, "tensor statistics: q8_0 values coded for a %s tensor%s",
+              ggml_type_info(stored.ggml_type)->name, stored.transposed ? " (transposed)" : "");
+    const TensorDesc t = s.requantized ? q8_0_values(stored) : stored;  // what is coded
     if (transform == TRANSFORM_ROPE) {
         s.rope.pairing = r.u8();
         s.rope.head_dim = r.u16();
@@ -1401,10 +1426,10 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & t) {
     } else {
         s.anchor_tokens = transform >> 8;
         LCG_CHECK(transform == TRANSFORM_NONE || ((transform & 0xff) == TRANSFORM_ANCHOR_DELTA &&
-                                                  coding == CODING_LOSSY && s.anchor_tokens >= 2),
+                                                  coding != CODING_LOSSLESS && s.anchor_tokens >= 2),
                   LCG_ERR_CORRUPT, "tensor statistics: unknown transform %u", transform);
     }
-    s.lossy = coding == CODING_LOSSY;
+    s.lossy = coding != CODING_LOSSLESS;
     LCG_CHECK(!s.lossy || ggml_type_info(t.ggml_type)->is_float, LCG_ERR_CORRUPT, "lossy statistics for a %s tensor",
               ggml_type_info(t.ggml_type)->name);
     s.n_groups = (t.n_units + s.group - 1) / s.group;
@@ -1488,9 +1513,22 @@ void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnob
     const uint8_t * base = state + t.offset;
     TensorStats & s = e.stats;
     s.group = group_size(t.n_cells);
-    s.n_groups = (t.n_units + s.group - 1) / s.group;
-    s.lossy = knobs != nullptr && ggml_type_info(t.ggml_type)->is_float &&
-              prepare_lossy(base, t, *knobs, rope, is_sink, pos, e);
+    if (knobs != nullptr && requantizable(t, *knobs)) {
+        const TensorDesc vt = q8_0_values(t);
+        std::vector<float> values(static_cast<size_t>(t.n_cells) * vt.n_units);
+        for (uint32_t i = 0; i < t.n_cells; i++) {
+            dequantize_q8_0_row(base + static_cast<size_t>(i) * t.n_units * Q8_0_BYTES, t.n_units,
+                                &values[static_cast<size_t>(i) * vt.n_units]);
+        }
+        s.n_groups = (vt.n_units + s.group - 1) / s.group;
+        s.requantized = prepare_lossy(reinterpret_cast<const uint8_t *>(values.data()), vt, *knobs, nullptr, is_sink,
+                                      pos, true, e);
+        s.lossy = s.requantized;
+    } else {
+        s.n_groups = (t.n_units + s.group - 1) / s.group;
+        s.lossy = knobs != nullptr && ggml_type_info(t.ggml_type)->is_float &&
+                  prepare_lossy(base, t, *knobs, rope, is_sink, pos, false, e);
+    }
     if (!s.lossy) {
         e = lossless_encoder(base, t);
         return;
@@ -1504,12 +1542,13 @@ void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnob
     }
 }
 
-void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncoder & e,
+void encode_rows(const uint8_t * state, const TensorDesc & stored, const TensorEncoder & e,
                  const std::vector<uint32_t> & cells, const std::vector<uint8_t> & is_sink, uint32_t slice_elements,
                  ByteWriter & w) {
     const TensorStats & s = e.stats;
-    const uint8_t * base = state + t.offset;
-    const Strides st(t);
+    const TensorDesc t = s.requantized ? q8_0_values(stored) : stored;  // what is coded
+    const uint8_t * base = state + stored.offset;
+    const Strides st(stored);
     TensorDesc obj = t;
     obj.n_cells = static_cast<uint32_t>(cells.size());
     const size_t n = static_cast<size_t>(obj.n_cells) * t.n_units;
@@ -1526,7 +1565,13 @@ void encode_rows(const uint8_t * state, const TensorDesc & t, const TensorEncode
     for (uint32_t r : sinks) {
         w.u32(r);
     }
+    std::vector<float> values(s.requantized ? t.n_units : 0);
     for (uint32_t r : sinks) {
+        if (s.requantized) {  // exact: the block quantizer gives these blocks back from their values
+            dequantize_q8_0_row(base + cells[r] * st.cell, stored.n_units, values.data());
+            w.put(reinterpret_cast<const uint8_t *>(values.data()), values.size() * sizeof(float));
+            continue;
+        }
         for (uint32_t u = 0; u < t.n_units; u++) {
             w.put(base + cells[r] * st.cell + u * st.unit, t.unit_bytes);
         }
@@ -1675,8 +1720,12 @@ TensorDecoder prepare_decoder(TensorStats stats) {
     return d;
 }
 
-void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * state,
-                 const TensorDesc & dst, const std::vector<uint32_t> & row_cell, const std::vector<int32_t> * cell_pos) {
+namespace {
+
+// decode_rows of a tensor coded as it is stored (any coding but CODING_LOSSY_Q8_0).
+void decode_coded_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * state,
+                       const TensorDesc & dst, const std::vector<uint32_t> & row_cell,
+                       const std::vector<int32_t> * cell_pos) {
     uint8_t * base = state + dst.offset;
     const Strides ds(dst);
     const uint32_t n_sink = r.u32();
@@ -1728,6 +1777,29 @@ void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & d
                             load_float(p + at, obj.ggml_type) - dec.mean[u] + load_float(a + at, obj.ggml_type));
             }
         }
+    }
+}
+
+} // namespace
+
+void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & dec, uint8_t * state,
+                 const TensorDesc & dst, const std::vector<uint32_t> & row_cell, const std::vector<int32_t> * cell_pos) {
+    if (!dec.stats.requantized) {
+        decode_coded_rows(r, obj, dec, state, dst, row_cell, cell_pos);
+        return;
+    }
+    // A q8_0 tensor's values: the object's rows decoded as f32, then quantized into their blocks.
+    const TensorDesc coded = q8_0_values(obj);
+    std::vector<float> values(static_cast<size_t>(obj.n_cells) * coded.n_units);
+    std::vector<uint32_t> rows(obj.n_cells);
+    for (uint32_t row = 0; row < obj.n_cells; row++) {
+        rows[row] = row;
+    }
+    decode_coded_rows(r, coded, dec, reinterpret_cast<uint8_t *>(values.data()), coded, rows, nullptr);
+    const Strides ds(dst);
+    for (uint32_t row = 0; row < obj.n_cells; row++) {
+        quantize_q8_0_row(&values[static_cast<size_t>(row) * coded.n_units], obj.n_units,
+                          state + dst.offset + row_cell[row] * ds.cell);
     }
 }
 

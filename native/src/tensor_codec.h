@@ -16,6 +16,8 @@ namespace lcg {
 // How a tensor is coded, shared by every object (whole container or chunk) that codes its rows.
 struct TensorStats {
     bool lossy = false;
+    // Lossy over a q8_0 tensor's values (coded as f32, one unit per value), quantized back on decode
+    bool requantized = false;
     // Lossy transform (docs/format.md, "Stats section"): with anchor_tokens = N > 0, object row r
     // with r % N != 0 codes its difference from row r - r % N (CacheGen's anchor/delta grouping).
     uint32_t anchor_tokens = 0;
