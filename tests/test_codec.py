@@ -343,27 +343,37 @@ def test_versions_are_pinned() -> None:
     assert lcg.version() == (400, 4)
 
 
-def test_simd_and_scalar_paths_write_the_same_bytes(state_fa_off: bytes, tmp_path: Path) -> None:
-    """LCG_NO_SIMD=1 (read when the library loads) forces the scalar reference paths."""
+@pytest.mark.parametrize("name", ["seq_v_transposed", "seq_q8_0", "seq_f32_bf16"])
+def test_simd_and_scalar_paths_write_the_same_bytes(
+    states: dict[str, bytes], name: str, tmp_path: Path
+) -> None:
+    """LCG_NO_SIMD=1 (read when the library loads) forces the scalar reference paths: the same
+    containers, and the same decoded states (f16 and f32 lossy decoders, q8_0's quantizer)."""
     import os
     import subprocess
     import sys
 
+    state = states[name]
     src = tmp_path / "state.bin"
-    src.write_bytes(state_fa_off)
+    src.write_bytes(state)
     script = (
-        "import sys, llama_cachegen as l; s = open(sys.argv[1], 'rb').read(); "
-        "sys.stdout.buffer.write(l.encode(s, sys.argv[2], threads=2))"
+        "import sys, hashlib, llama_cachegen as l; s = open(sys.argv[1], 'rb').read(); "
+        "b = l.encode(s, sys.argv[2], threads=2); "
+        "print(hashlib.sha256(b).hexdigest(), hashlib.sha256(bytes(l.decode(b))).hexdigest())"
     )
     for level in ("balanced", "compact"):
         scalar = subprocess.run(
             [sys.executable, "-c", script, str(src), level],
             env=os.environ | {"LCG_NO_SIMD": "1"},
             capture_output=True,
+            text=True,
             check=True,
-        ).stdout
-        assert scalar == lcg.encode(state_fa_off, level)
-        assert lcg.decode(scalar) == lcg.decode(lcg.encode(state_fa_off, level))
+        ).stdout.split()
+        blob = lcg.encode(state, level)
+        assert scalar == [
+            hashlib.sha256(blob).hexdigest(),
+            hashlib.sha256(bytes(lcg.decode(blob))).hexdigest(),
+        ]
 
 
 def test_values_past_f16_in_an_f32_cache_are_never_decoded_to_inf() -> None:
@@ -383,6 +393,24 @@ def test_values_past_f16_in_an_f32_cache_are_never_decoded_to_inf() -> None:
         k_in = np.frombuffer(state, np.float32, n * 64, 8 + k_at)
         k_out = out[8 + k_at : 8 + k_at + n * 64 * 4].view(np.float32)
         assert np.isfinite(k_out).all() and np.array_equal(k_out, k_in), level
+
+
+def test_values_past_the_quantizers_reach_are_coded_exactly() -> None:
+    """A row of an f32 cache at millions among values of about 1: their q passed the quantizer's
+    clamp (1e9 steps) and 7.6e6 came back as 1.2e5 at every lossy level, silently. Such a tensor is
+    coded losslessly."""
+    from conftest import kv_cache_bytes, seq_buffer
+
+    n, width = 128, 64
+    state = bytearray(
+        seq_buffer(kv_cache_bytes(np.random.default_rng(1), n_embd=width, cells_per_stream=(n,), dtype="f32"))
+    )
+    at = 8 + 4 + 4 + n * 12 + 8 + 12 + 50 * width * 4  # row 50 of layer 0's K
+    row = np.frombuffer(state, np.float32, width, at)
+    row[:32] = np.random.default_rng(2).integers(-127, 128, 32) * 6e4
+    for level in ("balanced", "compact"):
+        out = bytes(codec.decode(codec.encode(bytes(state), level, threads=1)))
+        assert np.array_equal(np.frombuffer(out, np.float32, width, at), row), level
 
 
 def test_a_channels_steady_value_does_not_coarsen_the_others() -> None:
@@ -466,6 +494,13 @@ def test_a_q8_0_cache_is_coded_as_its_values_at_the_levels_below_it() -> None:
         errors[level] = float(np.mean((q8_0_values(blocks)[4:] - k[4:]) ** 2))
     # balanced: 2.5x q5_1's squared error on these values (its budget), plus q8_0's rounding
     assert 0 < errors["balanced"] <= 1.2 * 2.5 * _q5_1_sq_error(k[4:]) < errors["compact"]
+    # an exact row with a block the quantizer would not give back (q = -128; a NaN or inf scale
+    # alike) keeps the tensor lossless, exact rows and all (a review found them zeroed)
+    forged = bytearray(state)
+    forged[k_at + 2] = 0x80
+    assert np.array_equal(
+        k_blocks(bytes(lcg.decode(lcg.encode(bytes(forged), "balanced")))), k_blocks(forged)
+    )
 
 
 def test_a_buffer_too_small_for_decode_into_is_the_callers_error() -> None:

@@ -314,20 +314,73 @@ void dequantize_q8_0_row(const uint8_t * blocks, uint32_t n_blocks, float * out)
     }
 }
 
-void quantize_q8_0_row(const float * values, uint32_t n_blocks, uint8_t * blocks) {
+namespace {
+
+// One block as quantize_row_q8_0_ref makes it; a forged container's inf and NaN give q = 0.
+void quantize_q8_0_block(const float * x, uint8_t * block) {
+    float amax = 0.0f;
+    for (uint32_t j = 0; j < Q8_0_VALUES; j++) {
+        amax = std::max(amax, std::fabs(x[j]));
+    }
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const uint16_t dh = f32_to_f16(d);
+    std::memcpy(block, &dh, 2);
+    for (uint32_t j = 0; j < Q8_0_VALUES; j++) {
+        const float q = std::round(x[j] * id);  // within [-127, 127] for finite values
+        block[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::isfinite(q) ? std::clamp(q, -127.0f, 127.0f) : 0.0f));
+    }
+}
+
+#if defined(__x86_64__)
+// quantize_q8_0_block, 8 values at a time, the same bytes: roundf (halves away from zero) from the
+// exact fraction r - trunc(r); blocks with a NaN, or whose scale or its inverse is not finite, take
+// the scalar path.
+__attribute__((target("avx2,f16c"))) void quantize_q8_0_row_avx2(const float * values, uint32_t n_blocks,
+                                                                  uint8_t * blocks) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     for (uint32_t b = 0; b < n_blocks; b++, blocks += Q8_0_BYTES, values += Q8_0_VALUES) {
-        float amax = 0.0f;
-        for (uint32_t j = 0; j < Q8_0_VALUES; j++) {
-            amax = std::max(amax, std::fabs(values[j]));
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(values + 8 * k);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
         }
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float a = _mm256_cvtss_f32(max_all_lanes(amax));
+        const float d = a / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        if (!std::isfinite(a) || !std::isfinite(id) || _mm256_movemask_ps(nan) != 0) {
+            quantize_q8_0_block(values, blocks);
+            continue;
+        }
         const uint16_t dh = f32_to_f16(d);
         std::memcpy(blocks, &dh, 2);
-        for (uint32_t j = 0; j < Q8_0_VALUES; j++) {
-            // within [-127, 127] for finite values; a forged container's inf must not reach the cast
-            const float q = std::round(values[j] * id);
-            blocks[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::isfinite(q) ? std::clamp(q, -127.0f, 127.0f) : 0.0f));
+        const __m256 idv = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) {
+            const __m256 r = _mm256_mul_ps(v[k], idv);
+            const __m256 t = _mm256_round_ps(r, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(r, t)), half, _CMP_GE_OQ);
+            q[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, r)))));
         }
+        // 32 int32 to int8 (|q| <= 127: no saturation), back in order after the lane-wise packs
+        const __m256i q16 = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(blocks + 2), q8);
+    }
+}
+#endif
+
+} // namespace
+
+void quantize_q8_0_row(const float * values, uint32_t n_blocks, uint8_t * blocks) {
+#if defined(__x86_64__)
+    if (cpu_has_avx2) {
+        quantize_q8_0_row_avx2(values, n_blocks, blocks);
+        return;
+    }
+#endif
+    for (uint32_t b = 0; b < n_blocks; b++) {
+        quantize_q8_0_block(values + b * Q8_0_VALUES, blocks + b * Q8_0_BYTES);
     }
 }
 
@@ -383,14 +436,14 @@ void quantize_value(float r, uint32_t raw_bits, uint32_t lane, uint32_t cell, ui
         }
         return;
     }
-    const float clamped = std::min(a, 1e9f);
+    const float clamped = std::min(a, MAX_CODED_Q);
     const int64_t q = static_cast<int64_t>(std::nearbyint(r < 0 ? -clamped : clamped));
     s = SYM_ESCAPE;
     if (raw) {
         *raw = 0;  // not read: the escape list holds the whole q
     }
     escapes.push_back({lane, cell, q});
-    // from the clamped value: |q| - a for a far past 1e9 is no int64 (undefined behaviour)
+    // from the clamped value: |q| - a for a far past MAX_CODED_Q is no int64 (undefined behaviour)
     shrink.fixed += static_cast<int64_t>(std::nearbyint((static_cast<double>(std::llabs(q)) - clamped) * 65536.0));
     shrink.count++;
 }

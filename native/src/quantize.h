@@ -108,6 +108,9 @@ struct Escape {
 // An escaped value (docs/format.md, "Tensor section"): |q| >= 128, since smaller ones have a
 // symbol; stored as varint((|q| - 128) << 1 | sign), one byte up to |q| = 191.
 constexpr int64_t MAX_ESCAPE_Q = int64_t(1) << 31;
+// The quantizer clamps |q| here (past it |q| - |r| is no int64): a tensor whose values would reach
+// half of it is coded losslessly instead (an f32 cache's 7.6e6 among values of 1 came back as 1.2e5).
+constexpr float MAX_CODED_Q = 1e9f;
 inline uint64_t escape_code(int64_t q) {
     const uint64_t magnitude = static_cast<uint64_t>(q < 0 ? -q : q);
     LCG_CHECK(magnitude >= 128 && q >= -MAX_ESCAPE_Q && q <= MAX_ESCAPE_Q, LCG_ERR_INTERNAL, "escape of %lld",

@@ -675,6 +675,9 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
             widest = std::max(widest, (k.anchor_tokens ? 2.0 : 1.0) * (group_max[gi] + mean_max) / group_step[gi]);
         }
     }
+    if (widest >= 0.5 * MAX_CODED_Q) {
+        return false;
+    }
     s.raw_bits = choose_raw_bits(sample, t.n_units, s.group, group_step, widest);
     std::vector<uint8_t> gsym, graw;  // a group's symbols and raw bits, when not in place
     if (lines.kind != Lines::GROUPS) {
@@ -1001,7 +1004,7 @@ __attribute__((target("avx2,f16c"), always_inline)) inline __m256i lanes8_step(_
 // Symbols [k0, k1) of a slice (k0 a multiple of 32) of a lossless plane in memory order `lines`
 // into out[k - k0], when 8 consecutive elements share a table (line_len % 8 == 0); `slots` holds
 // the plane's tables, unit u uses table u / group. Returns the element reached (a multiple of 32),
-// as decode_lossy_f16_avx2.
+// as decode_lossy_avx2.
 template <bool GATHER>
 __attribute__((target("avx2,f16c"))) size_t decode_symbols_avx2(rans::Cursor & c, const Lines & lines,
                                                             const uint32_t * slots, uint32_t group, size_t k0,
@@ -1039,17 +1042,19 @@ __attribute__((target("avx2,f16c"))) size_t decode_symbols_avx2(rans::Cursor & c
     return k;
 }
 
-// Elements [k0, k1) of a slice (k0 a multiple of 32) in coding order `lines` into f16 destination
-// rows at consecutive cells from row_cell[0]; 8 consecutive elements of the object share a row
+// Elements [k0, k1) of a slice (k0 a multiple of 32) in coding order `lines` into f16 (TYPE
+// GGML_F16) or f32 destination rows at consecutive cells from row_cell[0]; 8 consecutive elements
+// of the object share a row
 // (ROWS: units % 8 == 0; GROUPS always) or a unit (UNITS: cells % 8 == 0). Returns the element
 // reached: a multiple of 32, where the scalar decoder takes over (the last, partial step, or the
 // last 32 words, which are read with bounds checks).
 // ESCAPES: some table of the tensor gives the escape symbol (else no symbol can be one, and the
 // bookkeeping, 7 of the ~45 instructions of a vector, is left out). RAW: d.raw_bits > 0, slice sr's.
-template <bool GATHER, bool ESCAPES, bool RAW>
-__attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor & c, const LossyDst & d,
-                                                                   const Lines & lines, SliceRaw sr, size_t k0,
-                                                                   size_t k1, uint32_t * esc, size_t & n_esc) {
+template <int32_t TYPE, bool GATHER, bool ESCAPES, bool RAW>
+__attribute__((target("avx2,f16c"))) size_t decode_lossy_avx2(rans::Cursor & c, const LossyDst & d,
+                                                               const Lines & lines, SliceRaw sr, size_t k0, size_t k1,
+                                                               uint32_t * esc, size_t & n_esc) {
+    constexpr size_t SIZE = TYPE == GGML_F16 ? 2 : 4;  // of an element
     const TensorDesc & t = *d.obj;
     const uint32_t c0 = d.row_cell[0];
     __m256i x[4];
@@ -1076,14 +1081,14 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
             uint8_t * out;
             if (lines.kind == Lines::UNITS) {
                 mean = _mm256_set1_ps(d.mean[unit]);
-                out = d.base + unit * d.dst.unit + (c0 + row) * 2;
+                out = d.base + unit * d.dst.unit + (c0 + row) * SIZE;
                 if ((row += 8) == t.n_cells) {
                     row = 0;
                     unit++;
                 }
             } else {
                 mean = _mm256_loadu_ps(d.mean + unit);
-                out = d.base + (c0 + row) * d.dst.cell + unit * 2;
+                out = d.base + (c0 + row) * d.dst.cell + unit * SIZE;
                 unit += 8;
                 if (lines.kind == Lines::ROWS) {
                     if (unit == t.n_units) {
@@ -1111,7 +1116,11 @@ __attribute__((target("avx2,f16c"))) size_t decode_lossy_f16_avx2(rans::Cursor &
             const __m256 nonzero = _mm256_cmp_ps(q, _mm256_setzero_ps(), _CMP_NEQ_OQ);
             const __m256 sh = _mm256_and_ps(nonzero, _mm256_or_ps(_mm256_and_ps(q, sign), _mm256_set1_ps(d.shrink[gi])));
             const __m256 val = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(q, sh), _mm256_set1_ps(d.step[gi])), mean);
-            _mm_storeu_si128(reinterpret_cast<__m128i *>(out), _mm256_cvtps_ph(val, _MM_FROUND_TO_NEAREST_INT));
+            if (TYPE == GGML_F16) {
+                _mm_storeu_si128(reinterpret_cast<__m128i *>(out), _mm256_cvtps_ph(val, _MM_FROUND_TO_NEAREST_INT));
+            } else {
+                _mm256_storeu_ps(reinterpret_cast<float *>(out), val);
+            }
             if (!ESCAPES) {
                 continue;
             }
@@ -1148,7 +1157,7 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     for (size_t i = 1; i < row_cell.size() && contiguous; i++) {
         contiguous = row_cell[i] == row_cell[0] + i;
     }
-    vector_ok = cpu_has_avx2 && contiguous && obj.ggml_type == GGML_F16 &&
+    vector_ok = cpu_has_avx2 && contiguous && (obj.ggml_type == GGML_F16 || obj.ggml_type == GGML_F32) &&
                 (lines.kind == Lines::UNITS ? obj.n_cells % 8 == 0 : obj.n_units % 8 == 0);
     bool escapes = false;  // whether any table gives the escape symbol
     for (const rans::Table & tab : dec.stats.tables) {
@@ -1156,12 +1165,16 @@ void decode_lossy(ByteReader & r, const TensorDesc & obj, const TensorDecoder & 
     }
     using VectorDecode =
         size_t (*)(rans::Cursor &, const LossyDst &, const Lines &, SliceRaw, size_t, size_t, uint32_t *, size_t &);
-    static constexpr VectorDecode vector_decoders[2][2][2] = {  // [gather][escapes][raw bits]
-        {{decode_lossy_f16_avx2<false, false, false>, decode_lossy_f16_avx2<false, false, true>},
-         {decode_lossy_f16_avx2<false, true, false>, decode_lossy_f16_avx2<false, true, true>}},
-        {{decode_lossy_f16_avx2<true, false, false>, decode_lossy_f16_avx2<true, false, true>},
-         {decode_lossy_f16_avx2<true, true, false>, decode_lossy_f16_avx2<true, true, true>}}};
-    const VectorDecode vector_decode = vector_decoders[use_gather][escapes][b != 0];
+    static constexpr VectorDecode vector_decoders[2][2][2][2] = {  // [f32][gather][escapes][raw bits]
+        {{{decode_lossy_avx2<GGML_F16, false, false, false>, decode_lossy_avx2<GGML_F16, false, false, true>},
+          {decode_lossy_avx2<GGML_F16, false, true, false>, decode_lossy_avx2<GGML_F16, false, true, true>}},
+         {{decode_lossy_avx2<GGML_F16, true, false, false>, decode_lossy_avx2<GGML_F16, true, false, true>},
+          {decode_lossy_avx2<GGML_F16, true, true, false>, decode_lossy_avx2<GGML_F16, true, true, true>}}},
+        {{{decode_lossy_avx2<GGML_F32, false, false, false>, decode_lossy_avx2<GGML_F32, false, false, true>},
+          {decode_lossy_avx2<GGML_F32, false, true, false>, decode_lossy_avx2<GGML_F32, false, true, true>}},
+         {{decode_lossy_avx2<GGML_F32, true, false, false>, decode_lossy_avx2<GGML_F32, true, false, true>},
+          {decode_lossy_avx2<GGML_F32, true, true, false>, decode_lossy_avx2<GGML_F32, true, true, true>}}}};
+    const VectorDecode vector_decode = vector_decoders[obj.ggml_type == GGML_F32][use_gather][escapes][b != 0];
 #endif
     prefetch_tables(dec.slots);
     std::vector<uint64_t> esc;
@@ -1505,6 +1518,28 @@ size_t coded_size(const uint8_t * state, const TensorDesc & t, const TensorEncod
 // few rows' values save less than their groups' steps, means and tables cost (SmolLM2 states of 1-8
 // tokens came out larger than lossless at every lossy level).
 constexpr uint32_t FEW_CELLS = 32;
+// A q8_0 tensor coded as its values pays an f16 mean per value: 33 cells of 64 values each came out
+// 7% larger than lossless (random values; SmolLM2's 33 tokens were 1.5% smaller).
+constexpr uint32_t FEW_Q8_0_CELLS = 128;
+
+// Whether the exact rows of a q8_0 tensor (its `values`, row by row) come back as they are through
+// the decoder's quantizer: blocks that ggml's reference quantizer made do; other blocks (a NaN or
+// inf scale, a q of -128) would not, and the tensor is coded losslessly.
+bool exact_rows_requantize(const uint8_t * base, const TensorDesc & t, const std::vector<float> & values,
+                           const std::vector<uint8_t> & is_sink) {
+    const size_t row_bytes = static_cast<size_t>(t.n_units) * Q8_0_BYTES, row_values = static_cast<size_t>(t.n_units) * Q8_0_VALUES;
+    std::vector<uint8_t> again(row_bytes);
+    for (uint32_t i = 0; i < t.n_cells; i++) {
+        if (!is_sink[i]) {
+            continue;
+        }
+        quantize_q8_0_row(&values[i * row_values], t.n_units, again.data());
+        if (std::memcmp(again.data(), base + i * row_bytes, row_bytes) != 0) {
+            return false;
+        }
+    }
+    return true;
+}
 
 } // namespace
 
@@ -1521,7 +1556,8 @@ void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnob
                                 &values[static_cast<size_t>(i) * vt.n_units]);
         }
         s.n_groups = (vt.n_units + s.group - 1) / s.group;
-        s.requantized = prepare_lossy(reinterpret_cast<const uint8_t *>(values.data()), vt, *knobs, nullptr, is_sink,
+        s.requantized = exact_rows_requantize(base, t, values, is_sink) &&
+                        prepare_lossy(reinterpret_cast<const uint8_t *>(values.data()), vt, *knobs, nullptr, is_sink,
                                       pos, true, e);
         s.lossy = s.requantized;
     } else {
@@ -1534,7 +1570,7 @@ void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnob
         return;
     }
     build_encoder_tables(e);
-    if (t.n_cells <= FEW_CELLS) {
+    if (t.n_cells <= (s.requantized ? FEW_Q8_0_CELLS : FEW_CELLS)) {
         TensorEncoder exact = lossless_encoder(base, t);
         if (coded_size(state, t, exact, is_sink) <= coded_size(state, t, e, is_sink)) {
             e = std::move(exact);
