@@ -257,6 +257,23 @@ def test_eval_reports_quality_per_level_and_llama_cpp_types() -> None:
     assert proc.returncode == 1 and "bytes, fewer than --tokens + --cont" in proc.stderr
 
 
+def test_eval_measures_the_levels_on_a_q8_0_cache() -> None:
+    """`--kv-type q8_0`: the levels encode a q8_0 cache's state and are measured, as the cache
+    types are, against an f16 cache with flash attention; sizes are against the f16 state."""
+    args = ("--tokens", "96", "--cont", "24", "--threads", "2", "--json")
+    proc = _cli(
+        "eval", *args, "--kv-type", "q8_0", "--levels", "high", "balanced", "--cache-types", "q8_0", "q5_1"
+    )
+    result = json.loads(proc.stdout)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert result["kv_type"] == "q8_0" and result["kv_state_bytes"] < 0.6 * result["state_bytes"]
+    # `high` carries a q8_0 cache exactly: the q8_0 cache's own figures
+    assert rows["llama-cachegen high"]["kl"] == pytest.approx(rows["llama.cpp q8_0"]["kl"], abs=1e-9)
+    assert rows["llama-cachegen balanced"]["ratio"] > 1.5 * rows["llama.cpp q8_0"]["ratio"]
+    assert rows["llama-cachegen balanced"]["kl"] != rows["llama-cachegen high"]["kl"]  # lossy: other logits
+    assert set(result["promises"]) == {"high", "balanced"}
+
+
 def test_in_place_overwrite_needs_force_and_is_atomic(slot_file: Path, tmp_path: Path) -> None:
     state = tmp_path / "state.bin"
     state.write_bytes(slot_file.read_bytes())

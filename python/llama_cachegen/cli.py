@@ -478,8 +478,24 @@ def _eval(args: argparse.Namespace) -> int:
         raise CacheGenError(f"{args.text} has {len(all_tokens)} tokens, fewer than --tokens + --cont")
     prefix, cont = all_tokens[: args.tokens], all_tokens[args.tokens : args.tokens + args.cont]
     _progress(f"prefill {len(prefix)} tokens, reference logits over {len(cont)} more")
-    state = state_of(llm, prefix)
-    ref = continuation_logits(llm, state, prefix, cont)
+    f16_state = state_of(llm, prefix)
+    f16_ref = continuation_logits(llm, f16_state, prefix, cont)
+    fa_ref = None
+    if args.cache_types or args.kv_type != "f16":
+        # llama.cpp quantizes the V cache only with flash attention: the cache types (and the
+        # levels on such a cache) are compared with an f16 cache computed the same way (flash on
+        # vs off alone differs by a noise floor)
+        _progress("f16 cache with flash attention")
+        fllm = make_llama(model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True)
+        fa_ref = continuation_logits(fllm, None, prefix, cont)
+        fllm.close()
+    state, ref = f16_state, f16_ref
+    if args.kv_type != "f16":  # the levels encode the state of a context with that cache
+        llm.close()
+        _progress(f"prefill with a {args.kv_type} cache")
+        kv = {"flash_attn": True, "type_k": args.kv_type, "type_v": args.kv_type}
+        llm = _open_model(make_llama, model, n_ctx=n_ctx, n_threads=args.threads, **kv)
+        state, ref = state_of(llm, prefix), fa_ref
     rows: list[dict[str, Any]] = []
     for level in args.levels:
         _progress(f"level {level}")
@@ -492,23 +508,22 @@ def _eval(args: argparse.Namespace) -> int:
             {
                 "method": f"llama-cachegen {level}",
                 "bytes": len(blob),
-                "ratio": len(state) / len(blob),
+                "ratio": len(f16_state) / len(blob),
                 "encode_s": encode_s,
                 **metrics,
             }
         )
-    if args.cache_types:
-        # llama.cpp quantizes the V cache only with flash attention: the cache types are compared
-        # with an f16 cache computed the same way (flash on vs off alone differs by a noise floor)
-        _progress("f16 cache with flash attention")
-        fllm = make_llama(model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True)
-        fa_ref = continuation_logits(fllm, None, prefix, cont)
-        fllm.close()
-        # The same f16 cache, computed with flash attention: how far an exact cache moves the
+    if fa_ref is not None and args.cache_types:
+        # The f16 cache, computed with flash attention: how far an exact cache moves the
         # logits through the model's own rounding (quantized weights quantize their activations,
         # so any perturbation flips some of them). Lossy levels and cache types sit on this floor.
         rows.append(
-            {"method": FLOOR_METHOD, "bytes": len(state), "ratio": 1.0, **compare_logits(ref, fa_ref, cont)}
+            {
+                "method": FLOOR_METHOD,
+                "bytes": len(f16_state),
+                "ratio": 1.0,
+                **compare_logits(f16_ref, fa_ref, cont),
+            }
         )
     for name in args.cache_types:
         _progress(f"llama.cpp cache type {name}")
@@ -526,7 +541,7 @@ def _eval(args: argparse.Namespace) -> int:
             {
                 "method": f"llama.cpp {name}",
                 "bytes": len(qstate),
-                "ratio": len(state) / len(qstate),
+                "ratio": len(f16_state) / len(qstate),
                 **metrics,
             }
         )
@@ -554,7 +569,9 @@ def _eval(args: argparse.Namespace) -> int:
         "text": args.text,
         "tokens": len(prefix),
         "cont": len(cont),
-        "state_bytes": len(state),
+        "state_bytes": len(f16_state),
+        "kv_type": args.kv_type,
+        "kv_state_bytes": len(state),
         "floor_kl": floor,
         "rows": rows,
         "promises": promises,
@@ -562,9 +579,14 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    kv_state = (
+        f", {args.kv_type} state {_size(len(state))} (what the levels encode)"
+        if args.kv_type != "f16"
+        else ""
+    )
     print(
-        f"{len(prefix)} tokens of {args.text}, f16 state {_size(len(state))}; "
-        f"quality over the next {len(cont)} tokens vs the f16 state"
+        f"{len(prefix)} tokens of {args.text}, f16 state {_size(len(f16_state))}{kv_state}; sizes against "
+        f"the f16 state, quality over the next {len(cont)} tokens against an f16 cache"
     )
     table = [("method", "size", "ratio", "KL", "top-1", "Δppl")]
     table += [
@@ -853,6 +875,13 @@ def _parser() -> argparse.ArgumentParser:
         help="teacher-forced continuation tokens (default: %(default)s)",
     )
     p.add_argument("--levels", nargs="+", choices=levels, default=levels)
+    p.add_argument(
+        "--kv-type",
+        choices=list(GGML_TYPES),
+        default="f16",
+        help="the levels encode a context with this K/V cache type (flash attention; q8_0: coded "
+        "lossily at balanced and compact; default: %(default)s)",
+    )
     p.add_argument(
         "--cache-types",
         nargs="*",
