@@ -327,7 +327,8 @@ void quantize_q8_0_block(const float * x, uint8_t * block) {
     std::memcpy(block, &dh, 2);
     for (uint32_t j = 0; j < Q8_0_VALUES; j++) {
         const float q = std::round(x[j] * id);  // within [-127, 127] for finite values
-        block[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::isfinite(q) ? std::clamp(q, -127.0f, 127.0f) : 0.0f));
+        const float kept = std::isfinite(q) ? std::clamp(q, -127.0f, 127.0f) : 0.0f;
+        block[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(kept));
     }
 }
 
@@ -360,11 +361,13 @@ __attribute__((target("avx2,f16c"))) void quantize_q8_0_row_avx2(const float * v
             const __m256 r = _mm256_mul_ps(v[k], idv);
             const __m256 t = _mm256_round_ps(r, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
             const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(r, t)), half, _CMP_GE_OQ);
-            q[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, r)))));
+            const __m256 step = _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, r)));  // 0 or +-1
+            q[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
         }
         // 32 int32 to int8 (|q| <= 127: no saturation), back in order after the lane-wise packs
         const __m256i q16 = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
-        const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), order);
         _mm256_storeu_si256(reinterpret_cast<__m256i *>(blocks + 2), q8);
     }
 }

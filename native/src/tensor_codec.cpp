@@ -1044,10 +1044,9 @@ __attribute__((target("avx2,f16c"))) size_t decode_symbols_avx2(rans::Cursor & c
 
 // Elements [k0, k1) of a slice (k0 a multiple of 32) in coding order `lines` into f16 (TYPE
 // GGML_F16) or f32 destination rows at consecutive cells from row_cell[0]; 8 consecutive elements
-// of the object share a row
-// (ROWS: units % 8 == 0; GROUPS always) or a unit (UNITS: cells % 8 == 0). Returns the element
-// reached: a multiple of 32, where the scalar decoder takes over (the last, partial step, or the
-// last 32 words, which are read with bounds checks).
+// of the object share a row (ROWS: units % 8 == 0; GROUPS always) or a unit (UNITS: cells % 8 ==
+// 0). Returns the element reached: a multiple of 32, where the scalar decoder takes over (the
+// last, partial step, or the last 32 words, which are read with bounds checks).
 // ESCAPES: some table of the tensor gives the escape symbol (else no symbol can be one, and the
 // bookkeeping, 7 of the ~45 instructions of a vector, is left out). RAW: d.raw_bits > 0, slice sr's.
 template <int32_t TYPE, bool GATHER, bool ESCAPES, bool RAW>
@@ -1527,7 +1526,8 @@ constexpr uint32_t FEW_Q8_0_CELLS = 128;
 // inf scale, a q of -128) would not, and the tensor is coded losslessly.
 bool exact_rows_requantize(const uint8_t * base, const TensorDesc & t, const std::vector<float> & values,
                            const std::vector<uint8_t> & is_sink) {
-    const size_t row_bytes = static_cast<size_t>(t.n_units) * Q8_0_BYTES, row_values = static_cast<size_t>(t.n_units) * Q8_0_VALUES;
+    const size_t row_bytes = static_cast<size_t>(t.n_units) * Q8_0_BYTES;
+    const size_t row_values = static_cast<size_t>(t.n_units) * Q8_0_VALUES;
     std::vector<uint8_t> again(row_bytes);
     for (uint32_t i = 0; i < t.n_cells; i++) {
         if (!is_sink[i]) {
