@@ -584,6 +584,30 @@ def test_a_proxy_told_other_cache_types_uploads_nothing(cluster: Cluster, redis_
     assert "holds K as q8_0, the proxy was told f16: start it with --cache-type-k q8_0" in log
 
 
+def test_q8_0_servers_share_a_lossy_prefix(cluster: Cluster, redis_url: str) -> None:
+    """Two servers caching K/V as q8_0 (-ctk/-ctv q8_0), their proxies told so, storing `balanced`:
+    the q8_0 values are coded lossily (until December 2026 every level stored them as they are,
+    1.0x), the other server restores the prefix from them and evaluates only the rest."""
+    store = f"{redis_url}?prefix=proxy-q8-shared:"
+    kv = ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0")
+    told = ("--flash-attn", "on", "--cache-type-k", "q8_0", "--cache-type-v", "q8_0")
+    nodes = []
+    for name in ("q8-a", "q8-b"):
+        server, slot_dir = cluster.server(name, None, *kv)
+        nodes.append((server, cluster.proxy_of(server, slot_dir, store, *told, "--levels", "balanced")))
+    (server_a, proxy_a), (_, proxy_b) = nodes
+    text = _tokenize(server_a, sample_text("gpl-3.0.txt"), add_special=True)
+    prefix, question = text[: 4 * CHUNK], _tokenize(server_a, "\n\nQuestion: What is this?\nAnswer:", False)
+    _complete(proxy_a, prefix + question[:3])
+    up = _wait_uploads(proxy_a, 1)
+    assert up["uploads"] == 1 and up["upload_errors"] == 0
+    kv_bytes = 4 * CHUNK * 30 * 2 * 192 // 32 * 34  # SmolLM2: 30 layers, K and V of 192 values, q8_0
+    assert up["bytes_written"] < 0.6 * kv_bytes  # measured: about half
+    out, headers = _complete(proxy_b, prefix + question)
+    assert headers[RESTORED_HEADER] == str(len(prefix))
+    assert out["timings"]["prompt_n"] == len(question) and out["content"]
+
+
 def test_a_restore_the_server_refuses_sets_the_store_aside(cluster: Cluster, redis_url: str) -> None:
     """Flash attention on behind one proxy, off behind the other, both proxies left at `auto`: one
     fingerprint for two V layouts, so B's server refuses A's prefix. B then skips the store for a
