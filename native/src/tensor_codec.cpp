@@ -1826,12 +1826,13 @@ void decode_rows(ByteReader & r, const TensorDesc & obj, const TensorDecoder & d
     }
     // A q8_0 tensor's values: the object's rows decoded as f32, then quantized into their blocks.
     const TensorDesc coded = q8_0_values(obj);
-    std::vector<float> values(static_cast<size_t>(obj.n_cells) * coded.n_units);
+    // not zeroed: the slices cover every element (read_slices), or decoding throws
+    std::unique_ptr<float[]> values(new float[static_cast<size_t>(obj.n_cells) * coded.n_units]);
     std::vector<uint32_t> rows(obj.n_cells);
     for (uint32_t row = 0; row < obj.n_cells; row++) {
         rows[row] = row;
     }
-    decode_coded_rows(r, coded, dec, reinterpret_cast<uint8_t *>(values.data()), coded, rows, nullptr);
+    decode_coded_rows(r, coded, dec, reinterpret_cast<uint8_t *>(values.get()), coded, rows, nullptr);
     const Strides ds(dst);
     for (uint32_t row = 0; row < obj.n_cells; row++) {
         quantize_q8_0_row(&values[static_cast<size_t>(row) * coded.n_units], obj.n_units,
