@@ -132,7 +132,25 @@ __attribute__((target("avx2"))) void store_transposed_symbols_avx2(const uint8_t
 }
 #endif
 
-void load_values(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32_t gn, float * out) {
+// Units [u0, u0 + gn) of every cell of t, cell-major, as floats. With `blocks`, t is the values of
+// that q8_0 tensor (q8_0_values) and base its blocks: a group's units lie in one block (a group
+// of 8, 16 or 32 starts at a multiple of itself), read from it without a copy of the tensor.
+void load_values(const uint8_t * base, const TensorDesc & t, uint32_t u0, uint32_t gn, float * out,
+                 const TensorDesc * blocks = nullptr) {
+    if (blocks) {
+        const size_t row = static_cast<size_t>(blocks->n_units) * Q8_0_BYTES;
+        const uint8_t * block = base + (u0 / Q8_0_VALUES) * Q8_0_BYTES;
+        for (size_t i = 0; i < t.n_cells; i++, block += row) {
+            uint16_t dh;
+            std::memcpy(&dh, block, 2);
+            const float d = f16_to_f32(dh);
+            const int8_t * q = reinterpret_cast<const int8_t *>(block + 2 + u0 % Q8_0_VALUES);
+            for (uint32_t g = 0; g < gn; g++) {
+                out[i * gn + g] = d * static_cast<float>(q[g]);
+            }
+        }
+        return;
+    }
     const Strides st(t);
 #if defined(__x86_64__)
     if (t.transposed && t.ggml_type == GGML_F16 && gn % 8 == 0 && cpu_has_avx2) {
@@ -183,7 +201,7 @@ uint32_t reference_rotation(const TensorDesc & t) {
 // Up to 256 of a tensor's non-sink rows, evenly spread, as floats (n_rows x n_units), and their
 // cells: statistics of the whole tensor (an average) are pinned well by such a sample.
 std::vector<float> sample_rows(const uint8_t * base, const TensorDesc & t, const std::vector<uint8_t> & is_sink,
-                               std::vector<uint32_t> & sampled) {
+                               std::vector<uint32_t> & sampled, const TensorDesc * blocks) {
     constexpr size_t MAX_SAMPLE = 256;
     const Strides st(t);
     std::vector<uint32_t> cells;
@@ -202,7 +220,12 @@ std::vector<float> sample_rows(const uint8_t * base, const TensorDesc & t, const
     }
     const size_t n_rows = sampled.size();
     std::vector<float> rows(n_rows * t.n_units);
-    if (t.transposed) {  // unit by unit: each unit's cells are one contiguous run
+    if (blocks) {  // as load_values
+        for (size_t r = 0; r < n_rows; r++) {
+            const size_t row = static_cast<size_t>(blocks->n_units) * Q8_0_BYTES;
+            dequantize_q8_0_row(base + sampled[r] * row, blocks->n_units, &rows[r * t.n_units]);
+        }
+    } else if (t.transposed) {  // unit by unit: each unit's cells are one contiguous run
         for (uint32_t u = 0; u < t.n_units; u++) {
             const uint8_t * unit = base + u * st.unit;
             for (size_t r = 0; r < n_rows; r++) {
@@ -581,14 +604,14 @@ uint32_t choose_raw_bits(const std::vector<float> & sample, uint32_t n_units, ui
 // deviation as stored: with one step their KL doubled at `compact` for the same squared error
 // (SmolLM2, 384 tokens: 0.069 against 0.032 without RoPE; 0.039 with per-group steps). rel is the
 // knobs' fixed step, or the one whose squared error (a uniform quantizer's step^2 / 12 per value)
-// meets the reference budget. The values of a quantized cache are stored rotated (`rotated`): the
-// reference quantizes them as they are.
+// meets the reference budget. With `blocks`, t is the values of that q8_0 tensor at base
+// (load_values); a quantized cache holds them rotated: the reference quantizes them as they are.
 bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs & k, const RopeHint * hint,
-                   const std::vector<uint8_t> & is_sink, const std::vector<int32_t> & pos, bool rotated,
-                   TensorEncoder & e) {
+                   const std::vector<uint8_t> & is_sink, const std::vector<int32_t> & pos,
+                   const TensorDesc * blocks, TensorEncoder & e) {
     TensorStats & s = e.stats;
     std::vector<uint32_t> sampled;
-    const std::vector<float> sample = sample_rows(base, t, is_sink, sampled);
+    const std::vector<float> sample = sample_rows(base, t, is_sink, sampled, blocks);
     // RoPE: keys only (V is not rotated), rows not coded against each other.
     RopeTable tab;
     if (hint && !t.is_v && !t.transposed && !k.anchor_tokens && !sampled.empty()) {
@@ -623,7 +646,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     for (uint32_t gi = 0; gi < s.n_groups; gi++) {
         const uint32_t u0 = gi * s.group, gn = std::min(s.group, t.n_units - u0);
         float * v = values.get();
-        load_values(base, t, u0, gn, v);
+        load_values(base, t, u0, gn, v, blocks);
         double sum[MAX_GROUP] = {0}, sum_sq[MAX_GROUP] = {0};
         group_moments(v, n, gn, is_sink.data(), sum, sum_sq, &group_max[gi]);
         double var_sum = 0.0;
@@ -655,7 +678,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
     double rel = layer_step(k, t.is_v, t.layer, t.n_layer);
     bool finest = false;
     if (k.ref_type >= 0) {
-        const double budget = reference_budget(t, k, sample, rotated ? 0 : reference_rotation(t));
+        const double budget = reference_budget(t, k, sample, blocks ? 0 : reference_rotation(t));
         const double ramp = layer_step(k, t.is_v, t.layer, t.n_layer) / (t.is_v ? k.v_step : k.k_step);
         rel = per_row > 0.0 ? std::sqrt(12.0 * budget / per_row) * ramp : 1.0;
         // a budget of 0 (every sampled row quantizes exactly) for a tensor that varies: the finest
@@ -726,7 +749,7 @@ bool prepare_lossy(const uint8_t * base, const TensorDesc & t, const QuantKnobs 
         if (reach >= max_finite(t.ggml_type)) {
             return false;
         }
-        load_values(base, t, u0, gn, values.get());
+        load_values(base, t, u0, gn, values.get(), blocks);
         if (s.rope.pairing) {
             rotate_group(base, t, s.rope, tab, u0, gn, values.get(), partner.get());
         }
@@ -1521,19 +1544,19 @@ constexpr uint32_t FEW_CELLS = 32;
 // 7% larger than lossless (random values; SmolLM2's 33 tokens were 1.5% smaller).
 constexpr uint32_t FEW_Q8_0_CELLS = 128;
 
-// Whether the exact rows of a q8_0 tensor (its `values`, row by row) come back as they are through
-// the decoder's quantizer: blocks that ggml's reference quantizer made do; other blocks (a NaN or
-// inf scale, a q of -128) would not, and the tensor is coded losslessly.
-bool exact_rows_requantize(const uint8_t * base, const TensorDesc & t, const std::vector<float> & values,
-                           const std::vector<uint8_t> & is_sink) {
+// Whether the exact rows of q8_0 tensor t come back as they are through the decoder's quantizer:
+// blocks that ggml's reference quantizer made do; other blocks (a NaN or inf scale, a q of -128)
+// would not, and the tensor is coded losslessly.
+bool exact_rows_requantize(const uint8_t * base, const TensorDesc & t, const std::vector<uint8_t> & is_sink) {
     const size_t row_bytes = static_cast<size_t>(t.n_units) * Q8_0_BYTES;
-    const size_t row_values = static_cast<size_t>(t.n_units) * Q8_0_VALUES;
+    std::vector<float> values(static_cast<size_t>(t.n_units) * Q8_0_VALUES);
     std::vector<uint8_t> again(row_bytes);
     for (uint32_t i = 0; i < t.n_cells; i++) {
         if (!is_sink[i]) {
             continue;
         }
-        quantize_q8_0_row(&values[i * row_values], t.n_units, again.data());
+        dequantize_q8_0_row(base + i * row_bytes, t.n_units, values.data());
+        quantize_q8_0_row(values.data(), t.n_units, again.data());
         if (std::memcmp(again.data(), base + i * row_bytes, row_bytes) != 0) {
             return false;
         }
@@ -1550,20 +1573,14 @@ void prepare_tensor(const uint8_t * state, const TensorDesc & t, const QuantKnob
     s.group = group_size(t.n_cells);
     if (knobs != nullptr && requantizable(t, *knobs)) {
         const TensorDesc vt = q8_0_values(t);
-        std::vector<float> values(static_cast<size_t>(t.n_cells) * vt.n_units);
-        for (uint32_t i = 0; i < t.n_cells; i++) {
-            dequantize_q8_0_row(base + static_cast<size_t>(i) * t.n_units * Q8_0_BYTES, t.n_units,
-                                &values[static_cast<size_t>(i) * vt.n_units]);
-        }
         s.n_groups = (vt.n_units + s.group - 1) / s.group;
-        s.requantized = exact_rows_requantize(base, t, values, is_sink) &&
-                        prepare_lossy(reinterpret_cast<const uint8_t *>(values.data()), vt, *knobs, nullptr, is_sink,
-                                      pos, true, e);
+        s.requantized = exact_rows_requantize(base, t, is_sink) &&
+                        prepare_lossy(base, vt, *knobs, nullptr, is_sink, pos, &t, e);
         s.lossy = s.requantized;
     } else {
         s.n_groups = (t.n_units + s.group - 1) / s.group;
         s.lossy = knobs != nullptr && ggml_type_info(t.ggml_type)->is_float &&
-                  prepare_lossy(base, t, *knobs, rope, is_sink, pos, false, e);
+                  prepare_lossy(base, t, *knobs, rope, is_sink, pos, nullptr, e);
     }
     if (!s.lossy) {
         e = lossless_encoder(base, t);
