@@ -180,7 +180,9 @@ def q8_0_blocks(values: np.ndarray) -> np.ndarray:
     x = values.astype(np.float32).reshape(len(values), -1, 32)
     d = np.abs(x).max(axis=-1, keepdims=True) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    q = np.trunc(x * inv + np.copysign(np.float32(0.5), x * inv)).astype(np.int8)
+    r = x * inv
+    t = np.trunc(r)
+    q = (t + np.sign(r) * (np.abs(r - t) >= 0.5)).astype(np.int8)  # roundf: r - t is exact
     blocks = np.concatenate([d.astype(np.float16).view(np.uint8), q.view(np.uint8)], axis=-1)
     return blocks.reshape(len(values), -1)
 
