@@ -145,10 +145,15 @@ def kv_cache_bytes(
     seqs_per_cell: int = 1,
 ) -> bytes:
     """One llama_kv_cache::state_write section with random K/V values (q8_0: quantized as ggml's
-    reference quantizer does, 34-byte blocks of 32 values; n_embd a multiple of 32)."""
-    if dtype == "q8_0":
-        return _q8_0_kv_cache_bytes(rng, n_layer, n_embd, cells_per_stream)
-    type_id, np_type = {"f16": (1, np.float16), "f32": (0, np.float32)}[dtype]
+    reference quantizer does, 34-byte blocks of 32 values; n_embd a multiple of 32, V not
+    transposed)."""
+    type_id, np_type = {"f16": (1, np.float16), "f32": (0, np.float32), "q8_0": (8, np.float32)}[dtype]
+    assert dtype != "q8_0" or not v_trans, "llama.cpp never transposes a quantized V"
+
+    def rows(values: np.ndarray) -> bytes:  # a K (or untransposed V) tensor: its type, row size and rows
+        data = q8_0_blocks(values) if dtype == "q8_0" else values.astype(np_type)
+        return struct.pack("<iQ", type_id, data.shape[1] * data.itemsize) + data.tobytes()
+
     out = bytearray(struct.pack("<I", len(cells_per_stream)))
     for n_cells in cells_per_stream:
         out += struct.pack("<I", n_cells)
@@ -160,17 +165,16 @@ def kv_cache_bytes(
                 out += struct.pack("<iii", pos, 0, pos + 7)
             out += b"".join(struct.pack("<i", s) for s in range(seqs_per_cell))
         out += struct.pack("<II", int(v_trans), n_layer)
-        item = np.dtype(np_type).itemsize
         for _ in range(n_layer):
-            k = rng.normal(0, 1, (n_cells, n_embd)).astype(np_type)
-            out += struct.pack("<iQ", type_id, n_embd * item) + k.tobytes()
+            out += rows(rng.normal(0, 1, (n_cells, n_embd)))
         if with_v:
             for _ in range(n_layer):
-                v = rng.normal(0, 0.5, (n_cells, n_embd)).astype(np_type)
+                v = rng.normal(0, 0.5, (n_cells, n_embd))
                 if v_trans:
-                    out += struct.pack("<iII", type_id, item, n_embd) + v.T.copy().tobytes()
+                    item = np.dtype(np_type).itemsize
+                    out += struct.pack("<iII", type_id, item, n_embd) + v.T.astype(np_type).tobytes()
                 else:
-                    out += struct.pack("<iQ", type_id, n_embd * item) + v.tobytes()
+                    out += rows(v)
     return bytes(out)
 
 
@@ -192,23 +196,6 @@ def q8_0_values(blocks: np.ndarray) -> np.ndarray:
     b = blocks.reshape(len(blocks), -1, 34)
     d = b[..., :2].copy().view(np.float16).astype(np.float32)
     return (d * b[..., 2:].view(np.int8).astype(np.float32)).reshape(len(blocks), -1)
-
-
-def _q8_0_kv_cache_bytes(
-    rng: np.random.Generator, n_layer: int, n_embd: int, cells_per_stream: Sequence[int]
-) -> bytes:
-    out = bytearray(struct.pack("<I", len(cells_per_stream)))
-    for n_cells in cells_per_stream:
-        out += struct.pack("<I", n_cells)
-        if n_cells == 0:
-            continue
-        for pos in range(n_cells):
-            out += struct.pack("<iIi", pos, 1, 0)
-        out += struct.pack("<II", 0, n_layer)
-        for sd in [1.0] * n_layer + [0.5] * n_layer:  # K of every layer, then V
-            blocks = q8_0_blocks(rng.normal(0, sd, (n_cells, n_embd)))
-            out += struct.pack("<iQ", 8, blocks.shape[1]) + blocks.tobytes()
-    return bytes(out)
 
 
 def seq_buffer(memory: bytes, seq_id: int = 0) -> bytes:
