@@ -535,16 +535,20 @@ def _eval(args: argparse.Namespace) -> int:
         )
     for name in args.cache_types:
         _progress(f"llama.cpp cache type {name}")
-        try:
-            qllm = make_llama(
-                model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True, type_k=name, type_v=name
-            )
-        except ValueError:  # llama-cpp-python: "Failed to create llama_context"
-            _progress(f"llama.cpp makes no context with a {name} cache for this model: not compared")
-            continue
-        qstate = state_of(qllm, prefix)
-        metrics = compare_logits(fa_ref, continuation_logits(qllm, qstate, prefix, cont), cont)
-        qllm.close()
+        if name == args.kv_type != "f16":  # the (flash) context the levels encoded: no second prefill
+            qstate = state
+            metrics = compare_logits(fa_ref, continuation_logits(llm, state, prefix, cont), cont)
+        else:
+            try:
+                qllm = make_llama(
+                    model, n_ctx=n_ctx, n_threads=args.threads, flash_attn=True, type_k=name, type_v=name
+                )
+            except ValueError:  # llama-cpp-python: "Failed to create llama_context"
+                _progress(f"llama.cpp makes no context with a {name} cache for this model: not compared")
+                continue
+            qstate = state_of(qllm, prefix)
+            metrics = compare_logits(fa_ref, continuation_logits(qllm, qstate, prefix, cont), cont)
+            qllm.close()
         rows.append(
             {
                 "method": f"llama.cpp {name}",
