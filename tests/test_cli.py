@@ -277,6 +277,8 @@ def test_eval_measures_the_levels_on_a_q8_0_cache() -> None:
     proc = _cli("eval", *args, "--kv-type", "q4_0", "--levels", "high", "compact", "--cache-types", "q4_0")
     result = json.loads(proc.stdout)
     assert result["exact_on_kv"] == ["high", "compact"] and result["promises"] == {}
+    proc = _cli("eval", "--kv-type", "q5", check=False)  # a name llama.cpp has no type for
+    assert proc.returncode == 2 and "invalid choice: 'q5'" in proc.stderr
 
 
 def test_in_place_overwrite_needs_force_and_is_atomic(slot_file: Path, tmp_path: Path) -> None:
