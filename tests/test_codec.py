@@ -218,6 +218,10 @@ def test_expert_knobs_change_the_rate(state_fa_off: bytes) -> None:
     info = lcg.inspect(coarse)
     knobs = (info["k_step"], info["v_step"], info["first_layer_scale"], info["sink_tokens"])
     assert knobs == (1.0, 1.0, 0.5, 0)
+    # a level's steps follow its reference's error: no fixed step to show; a raw state has no level
+    info = lcg.inspect(lcg.encode(state_fa_off, "balanced"))
+    assert (info["reference"], info["k_step"], info["v_step"]) == ("q5_1", None, None)
+    assert not {"format_version", "part", "level"} & set(lcg.inspect_state(state_fa_off))
 
 
 def test_error_weights_scale_each_tensors_error(state_fa_off: bytes) -> None:

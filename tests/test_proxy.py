@@ -340,6 +340,22 @@ def test_request_size_limit(nodes: tuple[Node, Node], cluster: Cluster, tmp_path
         with socket.create_connection((host, int(port)), 30) as client:
             client.sendall(head + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n{}")
             assert client.recv(64).startswith(b"HTTP/1.1 413"), head
+    # a chunked body declares no length: refused once the proxy has read past the limit, in
+    # llama-server's error shape as every error of the proxy's own
+    body = b'{"prompt": "' + b"x" * ((1 << 20) + 1000) + b'"}'
+    with socket.create_connection((host, int(port)), 30) as client:
+        client.sendall(
+            b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n" % len(body)
+            + body
+            + b"\r\n0\r\n\r\n"
+        )
+        reply = b""
+        while chunk := client.recv(65536):
+            reply += chunk
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"application/json" in head, head
+    assert json.loads(payload)["error"]["code"] == 413
 
 
 def _stream_chat(url: str, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any], dict[str, str], int]:
@@ -650,6 +666,11 @@ def test_token_required(nodes: tuple[Node, Node], cluster: Cluster, redis_url: s
                 assert r.status == status
         except urllib.error.HTTPError as e:
             assert e.code == status
+            assert json.loads(e.read())["error"] == {
+                "code": 401,
+                "message": "a bearer token is required",
+                "type": "authentication_error",
+            }
 
 
 def test_killed_mid_upload_leaves_no_torn_entry(

@@ -698,6 +698,24 @@ def test_a_redis_store_keeps_its_lru_set_in_step_on_the_servers_clock(
     for option in ("prefx=app:", "protocol=4"):  # a misspelt option, a value redis-py refuses
         with pytest.raises(InvalidArgumentError, match="option"):
             open_store(f"{redis_url}?{option}")
+    with pytest.raises(InvalidArgumentError, match="socket_timeout"):  # refused by from_url itself
+        open_store(f"{redis_url}?socket_timeout=abc")
+
+
+def test_messages_never_show_a_urls_password(redis_url: str) -> None:
+    from llama_cachegen.stores import redact
+
+    assert redact("redis://:pw-1@h:6379/0/ctx") == "redis://:***@h:6379/0/ctx"
+    assert redact("https://me:p@ss@h/a?b=c@d") == "https://me:***@h/a?b=c@d"
+    for plain in ("redis://h:6379/0", "http://me@h/", "/tmp/a:b@c", "file:///x@y", "http://[::1"):
+        assert redact(plain) == plain
+    url = redis_url.replace("redis://", "redis://:not-the-password@", 1)
+    with pytest.raises(StoreError) as failed, open_store(url) as store:
+        store.get("a")  # the server has no password: redis-py sends AUTH and is refused
+    assert "not-the-password" not in str(failed.value) and ":***@" in str(failed.value)
+    with pytest.raises(InvalidArgumentError) as refused:
+        open_store(url + "?socket_timeout=abc")
+    assert "not-the-password" not in str(refused.value)
 
 
 class _Hostile(http.server.BaseHTTPRequestHandler):

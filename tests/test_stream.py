@@ -807,29 +807,15 @@ def test_a_state_stored_whole_reports_its_tokens_as_a_chunked_load_does(
 
 
 def test_cli_load_prints_the_report(stores_saved: dict[str, str]) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llama_cachegen",
-            "load",
-            stores_saved["http"],
-            "--slo",
-            "60",
-            "--n-ctx",
-            "700",
-            "--threads",
-            "1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
-    assert report["tokens"] == N and len(report["chunks"]) == CHUNKS and report["slo_s"] == 60.0
+    load = [sys.executable, "-m", "llama_cachegen", "load", stores_saved["http"], "--slo", "60"]
+    load += ["--n-ctx", "700", "--threads", "1", "--json"]
+    for given in ([], ["--compute-tps", "123.5"]):  # a process measures its prefill unless told it
+        proc = subprocess.run(load + given, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads(proc.stdout)
+        assert report["tokens"] == N and len(report["chunks"]) == CHUNKS and report["slo_s"] == 60.0
+        assert (report["calibrate_ms"] == 0) == bool(given)
+    assert report["compute_tps"] == pytest.approx(123.5)
 
 
 def test_cli_load_makes_the_context_the_saved_state_needs(gpl_tokens: list[int], tmp_path: Path) -> None:

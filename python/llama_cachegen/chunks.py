@@ -459,7 +459,7 @@ def save_chunked(
             uploads.close()
     total_s = time.perf_counter() - start
     return SaveReport(
-        url=str(url),
+        url=stores.redact(url),
         n_tokens=n,
         chunk_tokens=manifest.chunk_tokens,
         chunks=len(manifest.chunks),

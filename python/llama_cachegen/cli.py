@@ -25,7 +25,7 @@ from .errors import (
     NotAContainerError,
 )
 from .llama_format import GGML_TYPES
-from .stores import read_url, write_url
+from .stores import read_url, redact, write_url
 
 DEMO_QUESTION = "\n\nQuestion: What is the name of the license above?\nAnswer:"
 # each lossy level promises at most the KL of this llama.cpp cache type (README, "Levels")
@@ -301,7 +301,7 @@ def _compress(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(
-            f"{args.input} -> {args.output}: {_size(len(data))} -> {_size(len(blob))} "
+            f"{redact(args.input)} -> {redact(args.output)}: {_size(len(data))} -> {_size(len(blob))} "
             f"({result['ratio']:.2f}x, {args.level}) in {seconds:.2f} s"
         )
     return 0
@@ -352,7 +352,8 @@ def _decompress(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{args.input} -> {args.output}: {_size(len(blob))} -> {_size(len(data))} in {seconds:.2f} s")
+        sizes = f"{_size(len(blob))} -> {_size(len(data))}"
+        print(f"{redact(args.input)} -> {redact(args.output)}: {sizes} in {seconds:.2f} s")
     return 0
 
 
@@ -438,6 +439,8 @@ def _inspect(args: argparse.Namespace) -> int:
         return status
     print(f"{args.file}: {info.pop('type')}")
     for key, value in info.items():
+        if value is None:  # a field this object does not have (a chunk's stats id, fixed steps)
+            continue
         if isinstance(value, dict):
             print(f"  {key}:")
             for k, v in value.items():
@@ -704,7 +707,7 @@ def _load(args: argparse.Namespace) -> int:
             # the context is sized from the manifest before its chunks are read: a forged count
             # (60,000 tokens of SmolLM2: 1.5 GB) would be allocated first and refused only then
             raise InvalidArgumentError(
-                f"{args.url} holds {n_tokens} tokens, more than {model}'s training context "
+                f"{redact(args.url)} holds {n_tokens} tokens, more than {model}'s training context "
                 f"({n_ctx_train}); give --n-ctx to load it anyway"
             )
         n_ctx = n_ctx or n_tokens + 256
@@ -726,6 +729,7 @@ def _load(args: argparse.Namespace) -> int:
             args.url,
             slo_s=args.slo,
             prior_mbps=args.prior_mbps,
+            compute_tps=args.compute_tps,
             level=args.level,
             threads=args.threads,
             progress=progress,
@@ -921,8 +925,13 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve a directory as an HTTP store (GET/PUT/HEAD/DELETE)")
     p.add_argument("--dir", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8080, help="0 picks a free port (printed on stderr)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument(
+        "--port",
+        type=_port,
+        default=8080,
+        help="default: %(default)s; 0 picks a free port (printed on stderr)",
+    )
     p.add_argument(
         "--token-file",
         help="file holding the bearer token that writes, deletes and listings need "
@@ -942,6 +951,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("url", help="the context's manifest: path or store URL")
     p.add_argument("--slo", type=_SECONDS, help="seconds to a loaded context (default: best level, no SLO)")
     p.add_argument("--prior-mbps", type=_number(float, 1e-6, "a positive rate"), help="expected link Mbit/s")
+    p.add_argument(
+        "--compute-tps",
+        type=_number(float, 1e-6, "a positive rate"),
+        help="prefill tokens/s to assume instead of measuring them first (a CLI run is a new process: "
+        "with --slo it measures 64 tokens before the first fetch, longer on a busy CPU)",
+    )
     p.add_argument("--level", choices=levels, help="one fixed level (no adaptation)")
     p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--n-ctx", type=_COUNT, help="context size (default: the context's tokens + 256)")
@@ -965,7 +980,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True, help="store URL all proxies share (redis://, http://, a dir)")
     p.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (default: %(default)s)")
     p.add_argument(
-        "--levels", nargs="+", choices=levels, default=["high", "balanced"], help="levels uploaded"
+        "--levels",
+        nargs="+",
+        choices=levels,
+        default=["high", "balanced"],
+        help="levels uploaded (default: high balanced)",
     )
     p.add_argument("--load-level", choices=levels, help="always load this level (default: by --slo)")
     p.add_argument("--slo", type=_SECONDS, help="seconds a prefix load may take (default: no limit)")

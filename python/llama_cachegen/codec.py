@@ -429,6 +429,9 @@ def _device_pointer(buf: Any) -> tuple[int, int] | None:
     return int(iface["data"][0]), count * itemsize
 
 
+_CONTAINER_FIELDS = ("format_version", "part", "level")  # a raw state has none of these
+
+
 def _info_dict(info: Any) -> dict[str, Any]:
     return {
         "format_version": info.format_version,
@@ -457,8 +460,8 @@ def inspect(blob: Buffer) -> dict[str, Any]:
     result.update(
         container_size=info.container_size,
         ratio=info.state_size / info.container_size if info.container_size else 0.0,
-        k_step=info.k_step,
-        v_step=info.v_step,
+        k_step=info.k_step if info.ref_type < 0 else None,  # fixed steps, when no reference sets them
+        v_step=info.v_step if info.ref_type < 0 else None,
         first_layer_scale=info.first_layer_scale,
         sink_tokens=info.n_sink_tokens,
         reference=_REFERENCE_NAMES.get(info.ref_type),
@@ -485,7 +488,8 @@ def inspect_state(state: Buffer, kind: str = "auto") -> dict[str, Any]:
     src = _view(state)
     info = ffi.new("lcg_info *")
     check(lib.lcg_inspect_state(src, len(src), _kind(kind), info))
-    return {**_info_dict(info), "tail": bool(info.has_tail), "type_k": info.k_type, "type_v": info.v_type}
+    fields = {k: v for k, v in _info_dict(info).items() if k not in _CONTAINER_FIELDS}
+    return {**fields, "tail": bool(info.has_tail), "type_k": info.k_type, "type_v": info.v_type}
 
 
 def user_meta(blob: Buffer) -> bytes:

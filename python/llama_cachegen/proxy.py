@@ -543,6 +543,7 @@ class Proxy:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
         deadline = time.monotonic() + _START_WAIT_S
+        waited = False
         while True:  # the server may still be loading its model
             try:
                 props = await self._call("GET", "/props")
@@ -550,6 +551,11 @@ class Proxy:
             except CacheGenError as exc:
                 if time.monotonic() > deadline:
                     raise CacheGenError(f"llama-server at {self.server} not ready: {exc}") from exc
+                if not waited:
+                    log.info(
+                        "waiting up to %.0f s for llama-server at %s (%s)", _START_WAIT_S, self.server, exc
+                    )
+                    waited = True
                 await asyncio.sleep(0.5)
         n_slots = int(props.get("total_slots") or 1)
         n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
@@ -639,15 +645,24 @@ class Proxy:
             and not open_path
             and not bearer_ok(request.headers.get("Authorization"), self.token)
         ):
-            response = web.Response(status=401, text="a bearer token is required\n")
+            response = _error_response(401, "a bearer token is required", "authentication_error")
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         self.stats.requests += 1
         if request.content_length is not None and request.content_length > self.max_body:
             # at once, from the declared length: aiohttp would wait for a body that may never come
-            response = web.Response(status=413, text=f"a request body over {self.max_body} bytes\n")
-            response.force_close()
-            return response
+            return self._too_large()
+        try:
+            return await self._dispatch(request)
+        except web.HTTPRequestEntityTooLarge:  # a chunked body past max_body, found while reading it
+            return self._too_large()
+
+    def _too_large(self) -> web.Response:
+        response = _error_response(413, f"a request body over {self.max_body} bytes", "invalid_request_error")
+        response.force_close()
+        return response
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         if request.path == STATS_PATH:
             return web.json_response(self.stats.__dict__)
         if request.method == "POST" and request.path in COMPLETION_PATHS | CHAT_PATHS:
@@ -683,8 +698,7 @@ class Proxy:
             )
             upstream = await upstream_cm.__aenter__()
         except aiohttp.ClientError as exc:  # in llama-server's own error shape
-            error = {"code": 502, "message": f"llama-server unreachable: {exc}", "type": "unavailable_error"}
-            return web.json_response({"error": error}, status=502), tail
+            return _error_response(502, f"llama-server unreachable: {exc}", "unavailable_error"), tail
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
@@ -971,6 +985,11 @@ class Proxy:
 _TIMING = re.compile(rb'"(prompt_n|predicted_n|prompt_per_second)"\s*:\s*([0-9.eE+-]+)')
 
 
+def _error_response(status: int, message: str, kind: str) -> web.Response:
+    """An error of the proxy's own, in llama-server's shape ({"error": {code, message, type}})."""
+    return web.json_response({"error": {"code": status, "message": message, "type": kind}}, status=status)
+
+
 def _no_cache_reuse(raw: bytes) -> tuple[Any, bytes]:
     """A request body parsed (None when it is no JSON) and its bytes, `n_cache_reuse` 0 in a JSON
     object. llama-server's cache reuse (the request's field, or its --cache-reuse) moves K/V of
@@ -1057,13 +1076,17 @@ def run_proxy(args: argparse.Namespace) -> None:
         runner = web.AppRunner(
             proxy.app(), access_log=web.access_logger if args.verbose else None, handler_cancellation=True
         )
-        await runner.setup()
+        try:
+            await runner.setup()  # Proxy.start: on failure aiohttp runs no cleanup, so close here
+        except BaseException:
+            await proxy.close()
+            raise
         try:
             await web.TCPSite(runner, host, port).start()
             bound_host, bound_port = runner.addresses[0][:2]
             print(
                 f"llama-cachegen: proxy for {proxy.server} at http://{bound_host}:{bound_port}/ "
-                f"(store {args.store}; {'token required' if token else 'no token'})",
+                f"(store {stores.redact(args.store)}; {'token required' if token else 'no token'})",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1671,7 +1671,7 @@ def load_streaming(
             whole = load_compressed_state(llm, data, seq_id=seq_id, threads=threads)
             whole.extra["levels"] = {codec.inspect(data)["level"]: 1}
             n_tokens = int(StateMeta.unpack(codec.user_meta(data)).tokens.size)
-            return _whole_report(whole, n_tokens, str(url), slo_s, t0, table)
+            return _whole_report(whole, n_tokens, stores.redact(url), slo_s, t0, table)
         m = chunks.Manifest.unpack(data)
         fingerprint = model_fingerprint(llm)
         check_fingerprint(m.meta.fingerprint, fingerprint)
@@ -1681,7 +1681,7 @@ def load_streaming(
         chunks._check_room(llm, int(tokens.size))
         if m.chunk_tokens is None:
             whole = chunks._load_whole(llm, store, m, level, seq_id, threads, len(data))
-            return _whole_report(whole, int(tokens.size), str(url), slo_s, t0, table)
+            return _whole_report(whole, int(tokens.size), stores.redact(url), slo_s, t0, table)
         loader = _Loader(
             llm,
             store,
@@ -1734,7 +1734,7 @@ def load_streaming(
         restore_ms=(t3 - t2) * 1e3,
         seq_id=target,
         extra={"chunks": len(records), "levels": _count(records)},
-        url=str(url),
+        url=stores.redact(url),
         slo_s=slo_s,
         chunk_tokens=int(m.chunk_tokens),
         records=records,

@@ -37,6 +37,7 @@ TAG_DOMAIN = b"llama-cachegen object v1\x00"
 TAG_HEADER_SIZE = len(TAG_MAGIC) + hashlib.sha256().digest_size
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_AUTHORITY = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?//([^/?#]*)")
 
 AuthKey = bytes | str | None
 
@@ -228,14 +229,28 @@ def open_store(url: str, *, auth_key: AuthKey = None, token: str | None = None) 
         from .http import HttpStore
 
         return HttpStore(url, auth_key=auth_key, token=token)
-    raise InvalidArgumentError(f"unsupported store URL scheme {scheme!r} in {url!r}")
+    raise InvalidArgumentError(f"unsupported store URL scheme {scheme!r} in {redact(url)!r}")
+
+
+def redact(url: str | Path) -> str:
+    """`url` with the password of its user part as `***`: what messages and logs show of a URL
+    (`redis://:secret@host` -> `redis://:***@host`). Never raises, even on a malformed URL."""
+    url = str(url)
+    match = _AUTHORITY.match(url)
+    if match is None or "@" not in match.group(2):
+        return url
+    userinfo, _, host = match.group(2).rpartition("@")
+    if ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return url[: match.start(2)] + f"{user}:***@{host}" + url[match.end(2) :]
 
 
 def _urlsplit(url: str) -> urllib.parse.SplitResult:
     try:
         return urllib.parse.urlsplit(url)
     except ValueError as exc:  # "Invalid IPv6 URL", a port out of range
-        raise InvalidArgumentError(f"malformed URL {url!r}: {exc}") from None
+        raise InvalidArgumentError(f"malformed URL {redact(url)!r}: {exc}") from None
 
 
 def is_local(url: str) -> bool:
@@ -259,9 +274,9 @@ def split_url(url: str) -> tuple[str, str]:
     elif scheme in ("http", "https"):
         base = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
     else:
-        raise InvalidArgumentError(f"unsupported URL scheme {scheme!r} in {url!r}")
+        raise InvalidArgumentError(f"unsupported URL scheme {scheme!r} in {redact(url)!r}")
     if not segments:
-        raise InvalidArgumentError(f"URL {url!r} names no object")
+        raise InvalidArgumentError(f"URL {redact(url)!r} names no object")
     return base, "/".join(segments)
 
 

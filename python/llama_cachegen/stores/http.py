@@ -39,7 +39,7 @@ import urllib3
 from aiohttp import HttpVersion11, web
 
 from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
-from . import AuthKey, EntryInfo, Store, check_key, is_key
+from . import AuthKey, EntryInfo, Store, check_key, is_key, redact
 from .file import FileStore, PendingWrite
 
 TOKEN_ENV = "LLAMA_CACHEGEN_TOKEN"
@@ -161,7 +161,7 @@ class HttpStore(Store):
     ) -> None:
         super().__init__(auth_key=auth_key)
         parts = urllib.parse.urlsplit(url)
-        self.url = url.rstrip("/")
+        self.url = redact(url.rstrip("/"))  # for messages; requests go to _base
         self._base = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
         self._root = "/".join(s for s in parts.path.split("/") if s)  # a key prefix on the server
         token = os.environ.get(TOKEN_ENV, "").strip() if token is None else token
@@ -202,7 +202,7 @@ class HttpStore(Store):
                 method, url, body=data, headers=headers, preload_content=preload, decode_content=False
             )
         except urllib3.exceptions.HTTPError as exc:
-            raise StoreError(f"HTTP {method} {url}: {exc}") from exc
+            raise StoreError(f"HTTP {method} {redact(url)}: {exc}") from exc
         head = response.data[:300] if preload else b""
         if response.status >= 300 and not preload:  # an error's body: read here, or the connection is lost
             head = response.read(300)
@@ -217,12 +217,12 @@ class HttpStore(Store):
                 else f"the server needs a token: token= or {TOKEN_ENV}"
             )
             raise HttpStatusError(
-                response.status, f"HTTP {method} {url}: {response.status} {response.reason} ({hint})"
+                response.status, f"HTTP {method} {redact(url)}: {response.status} {response.reason} ({hint})"
             )
         if response.status >= 300:  # a redirect is not followed (redirect=False): nothing was stored or read
             detail = head.decode("utf-8", "replace").strip()
             raise HttpStatusError(
-                response.status, f"HTTP {method} {url}: {response.status} {response.reason}: {detail}"
+                response.status, f"HTTP {method} {redact(url)}: {response.status} {response.reason}: {detail}"
             )
         return response
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import EntryNotFoundError, InvalidArgumentError, StoreError
-from . import AuthKey, EntryInfo, Store, check_key, is_key
+from . import AuthKey, EntryInfo, Store, check_key, is_key, redact
 
 _LRU = "__lru__"  # the sorted set's name after the prefix: no key may take it
 # marks KEYS[2..] (values) used now on the server's clock, a microsecond apart, in the set KEYS[1]
@@ -53,21 +53,23 @@ class RedisStore(Store):
         parts = urllib.parse.urlsplit(url)
         query = urllib.parse.parse_qs(parts.query)
         self.prefix = query.pop("prefix", ["lcg:"])[0]
-        self.url = url
+        self.url = redact(url)
         self._lru = self.prefix + _LRU
         rest = urllib.parse.urlencode(query, doseq=True)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError,)
         self._closed = False
         try:
             self._redis: Any = redis.Redis.from_url(urllib.parse.urlunsplit(parts._replace(query=rest)))
-        except (ValueError, redis.RedisError) as exc:
-            raise StoreError(f"cannot open {url}: {exc}") from exc
+        except ValueError as exc:  # a value redis-py refuses ("socket_timeout=abc")
+            raise InvalidArgumentError(f"cannot open {self.url}: {exc}") from None
+        except redis.RedisError as exc:
+            raise StoreError(f"cannot open {self.url}: {exc}") from exc
         pool = self._redis.connection_pool
         try:  # a connection object, not connected: a misspelt option fails here, not at first use
             pool.connection_class(**pool.connection_kwargs)
         except (TypeError, ValueError, redis.RedisError) as exc:
             raise InvalidArgumentError(
-                f"cannot open {url}: an option redis-py does not take, or a value it refuses ({exc})"
+                f"cannot open {self.url}: an option redis-py does not take, or a value it refuses ({exc})"
             ) from exc
         self._mark = self._redis.register_script(_MARK_USED)
         self._forget = self._redis.register_script(_FORGET)
