@@ -30,6 +30,7 @@ from llama_cachegen.model import sample_text
 from llama_cachegen.proxy import (
     RESTORED_HEADER,
     STATS_PATH,
+    LossyRestores,
     Sharing,
     _no_cache_reuse,
     _timings,
@@ -126,6 +127,25 @@ def test_helpers() -> None:
     assert body["n_cache_reuse"] == json.loads(raw)["n_cache_reuse"] == 0
     for other in (b"[1, 2]", b"not json", b'"x"'):
         assert _no_cache_reuse(other)[1] == other
+    # 1e400 parses as inf, which would be written back as Infinity: passed as it came
+    assert _no_cache_reuse(b'{"top_p": 1e400}') == (None, b'{"top_p": 1e400}')
+
+
+def test_lossy_restores_count_for_every_slot_whose_tokens_start_with_them() -> None:
+    restores = LossyRestores()
+    tokens = np.arange(100, 400, dtype=np.intc)
+    restores.add(tokens[:256], 128, "high")  # K/V exact up to 128, then high
+    assert restores.level(tokens) == "high" and restores.level(tokens[:129]) == "high"
+    assert restores.level(tokens[:128]) is None  # only its exact positions: none of its lossy K/V
+    other = tokens.copy()
+    other[100] = 7
+    assert restores.level(other) is None
+    restores.add(tokens[:200], 128, "balanced")
+    restores.add(tokens[:50], 0, "compact")
+    assert restores.level(tokens) == "compact" and restores.level(other) == "compact"
+    assert restores.level(tokens[1:]) is None
+    restores.clear()
+    assert restores.level(tokens) is None
 
 
 def test_refuses_public_listen_without_token(tmp_path: Path) -> None:
@@ -551,6 +571,87 @@ def test_restored_lossy_kv_is_not_uploaded_as_better_chunks(
     assert _wait_uploads(proxy_b, 1)["uploads"] == 1
     # B's fifth chunk, computed on top of balanced K/V, at balanced; nothing at high
     assert sorted(p.name for p in (tmp_path / "store" / PREFIX / "chunks").glob("*/*")) == ["balanced"] * 5
+
+
+def test_lossy_kv_the_servers_ram_cache_moves_is_not_uploaded_as_better_chunks(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """llama-server's RAM prompt cache (--cache-ram) keeps what a slot held and loads it into
+    another slot for a prompt that starts the same way. K/V restored at balanced into slot 0 came
+    back in slot 1, from which the proxy, following lossy restores slot by slot, uploaded it at
+    high, under its tokens' keys: the exact K/V at high for every other proxy."""
+    store = tmp_path / "store"
+    writer, writer_slots = cluster.server("ram-writer", None, "-np", "2")  # the same KV streams
+    writer_proxy = cluster.proxy_of(writer, writer_slots, str(store), "--levels", "balanced")
+    server, slot_dir = cluster.server("ram", None, "-np", "2", "--cache-ram", "256")
+    proxy = cluster.proxy_of(server, slot_dir, str(store), "--levels", "high", "balanced")
+    text = _tokenize(server, sample_text("gfdl-1.3.txt"), add_special=True)
+    prefix = text[: 4 * CHUNK]
+    _complete(writer_proxy, prefix + text[4 * CHUNK : 4 * CHUNK + 8])
+    _wait_uploads(writer_proxy, 1)
+    question = _tokenize(server, " Who publishes this license?\nAnswer:", add_special=False)
+    _, headers = _complete(proxy, prefix + question, id_slot=0)
+    assert headers[RESTORED_HEADER] == str(4 * CHUNK)  # balanced K/V in slot 0
+    shutil.rmtree(store / PREFIX)  # the store loses it: the server's RAM cache still has it
+    other = _tokenize(server, sample_text("gpl-3.0.txt"), add_special=True)
+    _complete(proxy, other[:40], id_slot=0)  # slot 0's K/V goes into the RAM cache
+    _complete(proxy, other[40:80], id_slot=1)
+    longer = text[: 5 * CHUNK + 10]
+    out, headers = _complete(proxy, longer, id_slot=1)
+    assert headers[RESTORED_HEADER] == "0"
+    assert out["timings"]["prompt_n"] <= len(longer) - 4 * CHUNK  # the RAM cache gave slot 1 the prefix
+    stats = _wait_uploads(proxy, 1)
+    assert stats["uploads"] == 1 and stats["objects_written"] > 0
+    assert {p.name for p in (store / PREFIX / "chunks").glob("*/*")} == {"balanced"}
+
+
+def test_a_server_restarted_on_another_model_is_read_again(cluster: Cluster, tmp_path: Path) -> None:
+    """The proxy read its server's model once, at start-up. The server restarted behind it on
+    another model of the same shape (a new fine-tune written over the file): the proxy restored
+    the first model's chunks into it, and stored its K/V under the first model's name."""
+    model = tiny_models.write_qwen3(tmp_path / "model.gguf")
+    store = (tmp_path / "store").as_uri()
+    server, slot_dir = cluster.server("swap", model)
+    proxy = cluster.proxy_of(server, slot_dir, store)
+    body = {
+        "prompt": tiny_models.TOKENS[:300],
+        "n_predict": 4,
+        "temperature": 0.0,
+        "cache_prompt": True,
+        "logit_bias": [[t, False] for t in tiny_models.LETTERS_ONLY],
+    }
+    _post(proxy + "/completion", body)
+    _wait_uploads(proxy, 1)
+    proc = cluster.procs[-2]  # the server's
+    proc.terminate()
+    proc.wait(30)
+    tiny_models.write_qwen3(model, seed=1)  # same shape and path, other weights
+    cluster.server("swap", model, port=int(server.rsplit(":", 1)[1]))
+    out, headers = _post(proxy + "/completion", body)
+    assert headers[RESTORED_HEADER] == "0"  # nothing of the first model's
+    assert out["content"] == _post(server + "/completion", {**body, "cache_prompt": False})[0]["content"]
+    stats = _wait_uploads(proxy, 2)
+    assert stats["uploads"] == 2 and stats["restores"] == 0 and stats["restore_failures"] == 0
+    # two full chunks of each model, each under its own model's keys
+    assert len(list((tmp_path / "store" / PREFIX / "chunks").glob("*"))) == 4
+
+
+def test_a_completion_passed_through_leaves_no_stale_record(cluster: Cluster, tmp_path: Path) -> None:
+    """A completion with cache_prompt false is computed in a slot the proxy does not follow: the
+    proxy went on believing the slot held its last prompt, did not restore it from the store, and
+    the server computed all of it again."""
+    server, slot_dir = cluster.server("stale")
+    proxy = cluster.proxy_of(server, slot_dir, str(tmp_path / "store"))
+    text = _tokenize(server, sample_text("gfdl-1.3.txt"), add_special=True)
+    prefix = text[: 3 * CHUNK]
+    _complete(proxy, prefix + text[3 * CHUNK : 3 * CHUNK + 8])
+    _wait_uploads(proxy, 1)
+    other = _tokenize(server, sample_text("gpl-3.0.txt"), add_special=True)[:200]
+    _complete(proxy, other, cache_prompt=False)  # slot 0 now holds this
+    question = _tokenize(server, " Who publishes this license?\nAnswer:", add_special=False)
+    out, headers = _complete(proxy, prefix + question)
+    assert headers[RESTORED_HEADER] == str(3 * CHUNK)
+    assert out["timings"]["prompt_n"] == len(question)
 
 
 def _slot_state(server: str) -> dict[str, Any]:

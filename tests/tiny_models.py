@@ -54,7 +54,7 @@ class _Weights:
 
 
 def _begin(
-    path: Path, arch: str, n_embd: int, n_layer: int, output_norm: str = "output_norm"
+    path: Path, arch: str, n_embd: int, n_layer: int, output_norm: str = "output_norm", seed: int = 0
 ) -> tuple[gguf.GGUFWriter, _Weights]:
     """A writer with the vocabulary, the sizes every architecture has, the token embedding and the
     output norm."""
@@ -64,7 +64,7 @@ def _begin(
     w.add_context_length(4096)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
-    t = _Weights(w, seed=0)
+    t = _Weights(w, seed)
     t.random("token_embd.weight", n_embd, N_VOCAB, scale=1.0)
     t.ones(f"{output_norm}.weight", n_embd)
     return w, t
@@ -257,8 +257,10 @@ def write_qwen2vl(
     return path
 
 
-def write_qwen3(path: Path, *, n_embd: int = 64, n_head: int = 4, n_kv: int = 2, n_layer: int = 2) -> Path:
-    w, t = _begin(path, "qwen3", n_embd, n_layer)
+def write_qwen3(
+    path: Path, *, n_embd: int = 64, n_head: int = 4, n_kv: int = 2, n_layer: int = 2, seed: int = 0
+) -> Path:
+    w, t = _begin(path, "qwen3", n_embd, n_layer, seed=seed)
     head = 32  # wider than n_embd / n_head, as Qwen3's are
     w.add_feed_forward_length(128)
     w.add_head_count(n_head)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -54,7 +55,7 @@ from aiohttp import web
 
 from . import chunks, codec, stores
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, UnsupportedFormatError
-from .llama import FINGERPRINT_FIELDS, LossyLoad, StateMeta, _model_hash, better_level
+from .llama import FINGERPRINT_FIELDS, StateMeta, _file_identity, _model_hash, better_level
 from .llama_format import GGML_TYPE_NAMES, GGML_TYPES, GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC
 from .stores.http import TOKEN_ENV, bearer_ok, is_loopback, load_token
 
@@ -107,8 +108,17 @@ _LOAD_WAIT_S = 10.0  # longest a prefix load may take before the server's speed 
 _MIN_LOAD_S = 1.0  # ... and at least this long after
 _MAX_PENDING_UPLOADS = 2  # saved slots waiting for the uploader (each holds a state in memory)
 _SLOTS_WAIT_S = 1.0  # longest wait for GET /slots (answered between the server's batches)
+_MAX_LOSSY = 4096  # lossy restores remembered one by one (LossyRestores)
 # bytes per token per level, relative to the f16 state, until the proxy has measured its own
 _GUESS_RATIO = {"lossless": 0.8, "high": 0.3, "balanced": 0.22, "compact": 0.15}
+
+
+class ServerStatusError(CacheGenError):
+    """llama-server answered a call of the proxy's own with an error status."""
+
+    def __init__(self, http_status: int, message: str) -> None:
+        super().__init__(message)
+        self.http_status = http_status
 
 
 # ---- slot files ---------------------------------------------------------------------------------
@@ -465,10 +475,60 @@ class _Slot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intc))  # known held prefix
     used: float = 0.0
-    lossy: LossyLoad | None = None  # its last restore, when it put lossy K/V in it
     # a request passed through may have left K/V in it that the proxy did not see computed: it is
     # not uploaded from until a restore replaced what it held or the server computed a whole prompt
     unseen: bool = False
+
+
+class LossyRestores:
+    """The lossy restores made into a server since it started, into any of its slots. llama-
+    server's RAM prompt cache (--cache-ram, on by default) saves what a slot held and may load it
+    into another slot for a prompt that starts the same way, so any slot whose tokens share more
+    than a restore's exact positions with it may hold that restore's lossy K/V (or K/V computed on
+    top of it): uploaded at a better level, it would pass for its tokens' exact K/V. A caution, as
+    llama.lossy_level_anywhere: it costs levels written, never a wrong answer. Kept as (exact
+    positions, digest of the tokens up to the first lossy one); past _MAX_LOSSY restores the worst
+    level of those not kept counts for every slot."""
+
+    def __init__(self) -> None:
+        self._worst: dict[tuple[int, bytes], str] = {}  # (exact positions, digest) -> worst level
+        self._overflow: str | None = None
+
+    @staticmethod
+    def _digest(tokens: np.ndarray, exact: int) -> bytes:
+        return hashlib.sha256(np.ascontiguousarray(tokens[: exact + 1], dtype=np.intc).tobytes()).digest()
+
+    def add(self, tokens: np.ndarray, exact: int, level: str) -> None:
+        """A restore of `tokens` whose K/V from position `exact` on came from `level` (or better)."""
+        exact = max(0, exact)
+        if tokens.size <= exact:
+            return
+        key = (exact, self._digest(tokens, exact))
+        if key not in self._worst and len(self._worst) >= _MAX_LOSSY:
+            self._overflow = _worse(self._overflow, level)
+        else:
+            self._worst[key] = _worse(self._worst.get(key), level)
+
+    def level(self, tokens: np.ndarray) -> str | None:
+        """The worst level of the restores whose lossy K/V a slot holding `tokens` may hold."""
+        found = self._overflow
+        digests: dict[int, bytes] = {}
+        for (exact, digest), level in self._worst.items():
+            if tokens.size > exact:
+                if exact not in digests:
+                    digests[exact] = self._digest(tokens, exact)
+                if digests[exact] == digest:
+                    found = _worse(found, level)
+        return found
+
+    def clear(self) -> None:
+        """The server restarted: its RAM cache went with it."""
+        self._worst.clear()
+        self._overflow = None
+
+
+def _worse(a: str | None, b: str) -> str:
+    return b if a is None or better_level(a, b) else a
 
 
 @dataclass
@@ -535,6 +595,10 @@ class Proxy:
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="lcg-proxy-upload")
         self._tasks: set[asyncio.Task[None]] = set()
         self._store_down_until = 0.0
+        self.lossy = LossyRestores()
+        self._identity: tuple[Any, ...] | None = None  # of the server the fingerprint was read from
+        self._model_path: str | None = None  # the server's, when --model was checked against it
+        self._reconnect = asyncio.Lock()
 
     # -- life cycle
 
@@ -549,6 +613,11 @@ class Proxy:
                 props = await self._call("GET", "/props")
                 break
             except CacheGenError as exc:
+                if isinstance(exc, ServerStatusError) and exc.http_status in (401, 403):
+                    raise CacheGenError(
+                        f"llama-server at {self.server} refused the proxy ({exc}): a server started with "
+                        "--api-key needs the proxy's --server-key-file"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise CacheGenError(f"llama-server at {self.server} not ready: {exc}") from exc
                 if not waited:
@@ -557,9 +626,35 @@ class Proxy:
                     )
                     waited = True
                 await asyncio.sleep(0.5)
+        await self._connect(props)
+
+    def _identity_of(self, props: dict[str, Any]) -> tuple[Any, ...]:
+        """What a restart of the server may change of what start-up read: its model (the path,
+        and the size and time of the file the proxy reads), slot count and context size."""
+        model = self.model or props.get("model_path")
+        try:
+            file = _file_identity(model) if isinstance(model, str) and model else None
+        except OSError:
+            file = None
+        n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
+        return props.get("model_path"), file, props.get("total_slots"), n_ctx
+
+    async def _connect(self, props: dict[str, Any]) -> None:
+        """Reads the server's slots, KV streams and model into the fingerprint its chunks are
+        stored under: at start-up, and again when it restarted with another model or slots."""
+        self.sharing = None  # until the fingerprint is read
+        self.lossy.clear()
         n_slots = int(props.get("total_slots") or 1)
         n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
         model = self.model or props.get("model_path")
+        if self._model_path is None:
+            self._model_path = props.get("model_path")
+        elif self.model and props.get("model_path") != self._model_path:
+            self.slots, self._identity = [], self._identity_of(props)  # every completion passes through
+            raise InvalidArgumentError(
+                f"the server now runs {props.get('model_path')!r}, not {self._model_path!r} as at start-up: "
+                f"--model {self.model!r} may not be it; nothing is shared until it runs that again"
+            )
         if not model or not Path(model).is_file():
             raise InvalidArgumentError(
                 f"cannot read the server's model {model!r} here: give --model (the proxy runs beside it)"
@@ -585,6 +680,7 @@ class Proxy:
             )
         else:
             self.sharing = Sharing(self.store_url, fingerprint, n_ctx, **self.options)
+        self._identity = self._identity_of(props)
         log.info(
             "llama-server %s: %d slots of %d tokens, %d KV stream(s), model %s",
             self.server,
@@ -633,7 +729,9 @@ class Proxy:
             ) as response:
                 text = await response.text()
                 if response.status >= 400:
-                    raise CacheGenError(f"{method} {path}: {response.status} {text[:300].strip()}")
+                    raise ServerStatusError(
+                        response.status, f"{method} {path}: {response.status} {text[:300].strip()}"
+                    )
                 return json.loads(text)
         except (aiohttp.ClientError, ValueError) as exc:
             raise CacheGenError(f"{method} {path}: {exc}") from exc
@@ -669,13 +767,7 @@ class Proxy:
             return await self._completion(request, chat=request.path in CHAT_PATHS)
         if request.method == "POST" and request.path not in _SLOTLESS_POSTS:
             # /infill, /v1/messages, /v1/responses, ... generate too, in a slot the server picks
-            for slot in self.slots:
-                slot.unseen = True
-            try:
-                return await self._forward(request, _no_cache_reuse(await request.read())[1])
-            finally:  # and whatever slot it took, it took while it ran
-                for slot in self.slots:
-                    slot.unseen = True
+            return await self._pass_through(request, _no_cache_reuse(await request.read())[1])
         return await self._forward(request, await request.read())
 
     async def _forward(self, request: web.Request, body: bytes) -> web.StreamResponse:
@@ -716,6 +808,8 @@ class Proxy:
                 await response.write_eof()
             except ConnectionResetError:  # the client left; leaving closes the server's request too
                 log.info("%s %s: the client disconnected", request.method, request.path)
+            except aiohttp.ClientPayloadError as exc:  # the server died mid-answer: the client's ends there
+                log.warning("%s %s: the server's answer broke off (%s)", request.method, request.path, exc)
             return response, tail
         finally:
             await upstream_cm.__aexit__(None, None, None)
@@ -758,18 +852,51 @@ class Proxy:
         slot.used = time.monotonic()
         return slot
 
+    async def _server_unchanged(self) -> bool:
+        """Whether the server is the one the fingerprint was read from; reads it again when it
+        restarted with another model (or its file written again), slot count or context size: its
+        K/V stored under the old fingerprint would pass for the old model's. False when the server
+        cannot be read now (the request passes through)."""
+        try:
+            if self._identity_of(await self._call("GET", "/props")) != self._identity:
+                async with self._reconnect:
+                    props = await self._call("GET", "/props")
+                    if self._identity_of(props) != self._identity:
+                        log.warning(
+                            "llama-server %s restarted with another model, slots or context", self.server
+                        )
+                        await self._connect(props)
+        except CacheGenError as exc:
+            log.warning("llama-server not read (%s): the request passes through", exc)
+            return False
+        return bool(self.slots)
+
+    async def _pass_through(self, request: web.Request, raw: bytes) -> web.StreamResponse:
+        """A generating request the proxy does not follow: it may leave K/V in any slot."""
+        for slot in self.slots:
+            slot.unseen = True
+        try:
+            return await self._forward(request, raw)
+        finally:  # and whatever slot it took, it took while it ran
+            for slot in self.slots:
+                slot.unseen = True
+
     async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body, raw = _no_cache_reuse(await request.read())
         tokens = None
         # cache_prompt false: the client wants the prompt computed from scratch (a cold prefill's
         # exact numbers); nothing is restored for it (nor for a value the server refuses)
-        if isinstance(body, dict) and self.slots and body.get("cache_prompt", True) is True:
+        if (
+            isinstance(body, dict)
+            and body.get("cache_prompt", True) is True
+            and await self._server_unchanged()
+        ):
             try:
                 tokens = await self._prompt_tokens(body, chat)
             except CacheGenError as exc:
                 log.warning("prompt not tokenized (%s): passed through", exc)
         if tokens is None or (self.sharing is not None and 0 < self.sharing.n_ctx <= tokens.size):
-            return await self._forward(request, raw)  # over the slot's context: nothing to restore
+            return await self._pass_through(request, raw)  # e.g. over the slot's context
         self.stats.completions += 1
         slot = await self._acquire(tokens, body.get("id_slot"))
         tail = b""
@@ -813,7 +940,7 @@ class Proxy:
         held = 0 if slot.unseen else common_prefix(slot.tokens, tokens)  # unseen: the store's K/V first
         if held and await self._slot_forgotten(slot.id):
             log.info("slot %d: the server holds nothing there any more (restarted): restoring", slot.id)
-            slot.tokens, slot.lossy = slot.tokens[:0], None
+            slot.tokens = slot.tokens[:0]
             held = 0
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._loader, sharing.load, tokens, held)
@@ -844,7 +971,7 @@ class Proxy:
             await self._call("POST", f"/slots/{slot.id}?action=restore", {"filename": name})
         except (CacheGenError, OSError) as exc:
             self.stats.restore_failures += 1
-            slot.tokens, slot.lossy = slot.tokens[:0], None  # a failed restore clears the slot
+            slot.tokens = slot.tokens[:0]  # a failed restore clears the slot
             # most often a setting /props does not show differs from the proxy's: every restore would
             # be refused, each after reading the prefix from the store (counted in restore_failures)
             self._skip_store(
@@ -858,7 +985,8 @@ class Proxy:
             with contextlib.suppress(OSError):
                 path.unlink()
         slot.tokens = tokens[: loaded.positions].copy()
-        slot.lossy = LossyLoad(slot.tokens, *loaded.lossy) if loaded.lossy else None
+        if loaded.lossy is not None:
+            self.lossy.add(slot.tokens, *loaded.lossy)
         self.stats.restores += 1
         self.stats.restored_tokens += loaded.positions
         self.stats.bytes_read += loaded.bytes_read
@@ -940,8 +1068,7 @@ class Proxy:
                     data = await self._save_slot(slot.id)
                     self.stats.saves += 1
                     slot.tokens, _ = read_slot_file(data)
-                    if slot.lossy is not None and slot.lossy.held_by(slot.tokens):  # while it is held
-                        lossy = slot.lossy.level
+                    lossy = self.lossy.level(slot.tokens)
                     if common_prefix(slot.tokens, tokens) < tokens.size:
                         # the server shifted the context (--context-shift): the K/V it kept was
                         # computed beside tokens it dropped, not its own tokens' exact K/V
@@ -999,11 +1126,12 @@ def _no_cache_reuse(raw: bytes) -> tuple[Any, bytes]:
     request passed through, slots are `unseen` until a restore or a whole prompt replaced them."""
     try:
         body = json.loads(raw)
+        if isinstance(body, dict):
+            body["n_cache_reuse"] = 0
+            # no NaN or inf (1e400 parses as inf): written back, it is no JSON the server reads
+            raw = json.dumps(body, allow_nan=False).encode()
     except ValueError:
-        return None, raw
-    if isinstance(body, dict):
-        body["n_cache_reuse"] = 0
-        raw = json.dumps(body).encode()
+        return None, raw  # as it came: the server says what is wrong with it
     return body, raw
 
 
@@ -1043,6 +1171,7 @@ def run_proxy(args: argparse.Namespace) -> None:
             f"could drive the server and fill the store; give --token-file or {TOKEN_ENV}, or use 127.0.0.1"
         )
     server_key = load_token(args.server_key_file) if args.server_key_file else None
+    stores.open_store(args.store).close()  # a URL no store takes fails here, not at every request
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="llama-cachegen proxy: %(message)s",
