@@ -362,6 +362,12 @@ class Sharing:
             return Loaded(None, match.positions, match.chunks)
         level = self.choose_level(match.levels, match.positions)
         if level is None:
+            if self.load_level is not None:
+                log.info(
+                    "prefix of %d chunks stored, not all at --load-level %s: computed",
+                    match.chunks,
+                    self.load_level,
+                )
             return Loaded(None, match.positions, match.chunks)
         while True:
             # this level first; a chunk evicted since the lookup falls back to the others it has
