@@ -119,6 +119,24 @@ def test_lossy_level_loads_when_asked(original: dict[str, Any], loader: Llama) -
     assert 0.0 < metrics["kl"] < 0.05 and metrics["top1"] >= 0.85, metrics
 
 
+def test_a_lossy_load_is_recorded_from_past_its_exact_attention_sinks(
+    original: dict[str, Any], loader: Llama
+) -> None:
+    """A lossy level keeps the first positions exact (sink_tokens): a context holding no more of
+    a lossy load than those holds none of its lossy K/V (a proxy keys its records by this)."""
+    from llama_cachegen.llama import lossy_level, lossy_record
+
+    url = original["root"] / "c256" / "ctx"
+    chunks.load_chunked(loader, url, level="balanced")
+    ids = np.asarray(original["prefix"], np.intc)
+    with stores.open_store(str(url.parent)) as store:
+        first = store.get(chunks._chunk_key(chunks.read_manifest(url).chunks[0].key, "balanced"))
+    sinks = codec.inspect(first)["sink_tokens"]
+    assert sinks == 4 and lossy_record(loader, None, ids) == (sinks, "balanced")
+    assert lossy_level(loader, None, ids[:sinks]) is None
+    assert lossy_level(loader, None, ids[: sinks + 1]) == "balanced"
+
+
 def test_a_lossy_load_is_never_stored_as_exact_chunks(
     original: dict[str, Any], loader: Llama, tmp_path: Path
 ) -> None:

@@ -131,21 +131,23 @@ def test_helpers() -> None:
     assert _no_cache_reuse(b'{"top_p": 1e400}') == (None, b'{"top_p": 1e400}')
 
 
-def test_lossy_restores_count_for_every_slot_whose_tokens_start_with_them() -> None:
+def test_lossy_restores_count_where_a_prompt_reused_their_lossy_positions() -> None:
     restores = LossyRestores()
     tokens = np.arange(100, 400, dtype=np.intc)
+    n = int(tokens.size)
     restores.add(tokens[:256], 128, "high")  # K/V exact up to 128, then high
-    assert restores.level(tokens) == "high" and restores.level(tokens[:129]) == "high"
-    assert restores.level(tokens[:128]) is None  # only its exact positions: none of its lossy K/V
+    assert restores.level(tokens, n) == "high" and restores.level(tokens[:129], 129) == "high"
+    assert restores.level(tokens[:128], 128) is None  # only its exact positions: none of its lossy K/V
+    assert restores.level(tokens, 128) is None  # the server computed everything past them itself
     other = tokens.copy()
     other[100] = 7
-    assert restores.level(other) is None
+    assert restores.level(other, n) is None
     restores.add(tokens[:200], 128, "balanced")
-    restores.add(tokens[:50], 0, "compact")
-    assert restores.level(tokens) == "compact" and restores.level(other) == "compact"
-    assert restores.level(tokens[1:]) is None
+    restores.add(tokens[:50], 4, "compact")  # the first 4 positions (attention sinks) came back exact
+    assert restores.level(tokens, n) == "compact" and restores.level(other, n) == "compact"
+    assert restores.level(other, 4) is None and restores.level(tokens[1:], n) is None
     restores.clear()
-    assert restores.level(tokens) is None
+    assert restores.level(tokens, n) is None
 
 
 def test_refuses_public_listen_without_token(tmp_path: Path) -> None:
@@ -607,12 +609,15 @@ def test_lossy_kv_the_servers_ram_cache_moves_is_not_uploaded_as_better_chunks(
 
 def test_a_server_restarted_on_another_model_is_read_again(cluster: Cluster, tmp_path: Path) -> None:
     """The proxy read its server's model once, at start-up. The server restarted behind it on
-    another model of the same shape (a new fine-tune written over the file): the proxy restored
-    the first model's chunks into it, and stored its K/V under the first model's name."""
-    model = tiny_models.write_qwen3(tmp_path / "model.gguf")
-    store = (tmp_path / "store").as_uri()
-    server, slot_dir = cluster.server("swap", model)
-    proxy = cluster.proxy_of(server, slot_dir, store)
+    another model of the same shape: the proxy restored the first model's chunks into it, and
+    stored its K/V under the first model's name. A model file written again (a fine-tune deployed
+    over it) cannot tell the proxy which weights the server runs: nothing is shared after it."""
+    first = tiny_models.write_qwen3(tmp_path / "first.gguf")
+    second = tiny_models.write_qwen3(tmp_path / "second.gguf", seed=1)  # same shape, other weights
+    store = tmp_path / "store"
+    server, slot_dir = cluster.server("swap", first)
+    server_proc = cluster.procs[-1]
+    proxy = cluster.proxy_of(server, slot_dir, str(store))
     body = {
         "prompt": tiny_models.TOKENS[:300],
         "n_predict": 4,
@@ -622,18 +627,45 @@ def test_a_server_restarted_on_another_model_is_read_again(cluster: Cluster, tmp
     }
     _post(proxy + "/completion", body)
     _wait_uploads(proxy, 1)
-    proc = cluster.procs[-2]  # the server's
-    proc.terminate()
-    proc.wait(30)
-    tiny_models.write_qwen3(model, seed=1)  # same shape and path, other weights
-    cluster.server("swap", model, port=int(server.rsplit(":", 1)[1]))
+    server_proc.terminate()
+    server_proc.wait(30)
+    cluster.server("swap", second, port=int(server.rsplit(":", 1)[1]))
     out, headers = _post(proxy + "/completion", body)
     assert headers[RESTORED_HEADER] == "0"  # nothing of the first model's
     assert out["content"] == _post(server + "/completion", {**body, "cache_prompt": False})[0]["content"]
     stats = _wait_uploads(proxy, 2)
     assert stats["uploads"] == 2 and stats["restores"] == 0 and stats["restore_failures"] == 0
-    # two full chunks of each model, each under its own model's keys
-    assert len(list((tmp_path / "store" / PREFIX / "chunks").glob("*"))) == 4
+    assert len(list((store / PREFIX / "chunks").glob("*"))) == 4  # two chunks of each, under its name
+
+    tiny_models.write_qwen3(second, seed=2)  # the server still runs seed 1 until it restarts
+    _, headers = _post(proxy + "/completion", {**body, "prompt": tiny_models.TOKENS[:400]})
+    assert RESTORED_HEADER not in headers  # passed through
+    time.sleep(1.0)
+    assert _stats(proxy)["uploads"] == 2 and len(list((store / PREFIX / "chunks").glob("*"))) == 4
+
+
+def test_a_prompt_the_server_computed_is_uploaded_at_its_best_after_a_lossy_restore(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A lossy restore counts for what a server may reuse of it, not for every prompt: a prompt
+    that shares only its first tokens with a restored one, computed in full, is stored at `high`
+    (one restore kept every later prompt of the server from `high`)."""
+    store = tmp_path / "store"
+    writer, writer_slots = cluster.server("full-writer", None, "-np", "2")
+    writer_proxy = cluster.proxy_of(writer, writer_slots, str(store), "--levels", "balanced")
+    server, slot_dir = cluster.server("full", None, "-np", "2", "--cache-ram", "256")
+    proxy = cluster.proxy_of(server, slot_dir, str(store), "--levels", "high", "balanced")
+    text = _tokenize(server, sample_text("gfdl-1.3.txt"), add_special=True)
+    _complete(writer_proxy, text[: 2 * CHUNK + 8])
+    _wait_uploads(writer_proxy, 1)
+    _, headers = _complete(proxy, text[: 2 * CHUNK + 8], id_slot=0)
+    assert headers[RESTORED_HEADER] == str(2 * CHUNK)  # balanced K/V in slot 0
+    other = text[:3] + _tokenize(server, sample_text("gpl-3.0.txt"), add_special=True)[: 2 * CHUNK + 5]
+    out, headers = _complete(proxy, other, id_slot=1)
+    assert headers[RESTORED_HEADER] == "0" and out["timings"]["prompt_n"] == len(other)
+    _wait_uploads(proxy, 1)
+    levels = {p.name for key in (store / PREFIX / "chunks").iterdir() for p in key.iterdir()}
+    assert levels == {"balanced", "high"}  # the writer's balanced chunks, and the new prompt's at high too
 
 
 def test_a_completion_passed_through_leaves_no_stale_record(cluster: Cluster, tmp_path: Path) -> None:

@@ -799,11 +799,20 @@ def _assemble(
                     fetch_s += got.fetch_s
                     levels[got.level] = levels.get(got.level, 0) + 1
                     if got.level != "lossless":
-                        lossy = worse_load(lossy, got.meta.begin, got.level)
+                        lossy = worse_load(lossy, _first_lossy(got), got.level)
         finally:
             for pending in fetches:
                 pending.cancel()
     return state, skeleton, {"levels": levels, "fetch_s": fetch_s, "decode_s": decode_s, "lossy": lossy}
+
+
+def _first_lossy(got: _Fetched) -> int:
+    """The first position of a lossy chunk's K/V that may not come back exact: a lossy level keeps
+    the state's first `sink_tokens` positions (attention sinks) exact."""
+    begin, end = got.meta.begin, got.meta.end
+    if begin > 0:
+        return begin
+    return min(max(0, int(codec.inspect(got.chunk)["sink_tokens"])), end)
 
 
 def _damaged_in(

@@ -487,14 +487,15 @@ class _Slot:
 
 
 class LossyRestores:
-    """The lossy restores made into a server since it started, into any of its slots. llama-
-    server's RAM prompt cache (--cache-ram, on by default) saves what a slot held and may load it
-    into another slot for a prompt that starts the same way, so any slot whose tokens share more
-    than a restore's exact positions with it may hold that restore's lossy K/V (or K/V computed on
-    top of it): uploaded at a better level, it would pass for its tokens' exact K/V. A caution, as
+    """The lossy restores made into a server since the proxy read it, into any of its slots.
+    llama-server's RAM prompt cache (--cache-ram, on by default) saves what a slot held and may
+    load it into another slot for a prompt that starts the same way: K/V the server reused for a
+    prompt may be a restore's lossy K/V (or K/V computed on top of it) when the reused positions
+    pass the restore's exact ones and the prompt's tokens start as the restore's did. Uploaded at a
+    better level it would pass for its tokens' exact K/V. A caution, as
     llama.lossy_level_anywhere: it costs levels written, never a wrong answer. Kept as (exact
     positions, digest of the tokens up to the first lossy one); past _MAX_LOSSY restores the worst
-    level of those not kept counts for every slot."""
+    level of those not kept counts for every prompt that reused K/V."""
 
     def __init__(self) -> None:
         self._worst: dict[tuple[int, bytes], str] = {}  # (exact positions, digest) -> worst level
@@ -515,12 +516,13 @@ class LossyRestores:
         else:
             self._worst[key] = _worse(self._worst.get(key), level)
 
-    def level(self, tokens: np.ndarray) -> str | None:
-        """The worst level of the restores whose lossy K/V a slot holding `tokens` may hold."""
-        found = self._overflow
+    def level(self, tokens: np.ndarray, reused: int) -> str | None:
+        """The worst level of the restores whose lossy K/V a slot holding `tokens` may hold, the
+        server having reused K/V for its first `reused` positions (and computed the rest)."""
+        found = self._overflow if reused > 0 else None
         digests: dict[int, bytes] = {}
         for (exact, digest), level in self._worst.items():
-            if tokens.size > exact:
+            if min(reused, tokens.size) > exact:
                 if exact not in digests:
                     digests[exact] = self._digest(tokens, exact)
                 if digests[exact] == digest:
@@ -604,6 +606,8 @@ class Proxy:
         self.lossy = LossyRestores()
         self._identity: tuple[Any, ...] | None = None  # of the server the fingerprint was read from
         self._model_path: str | None = None  # the server's, when --model was checked against it
+        self._fingerprinted: str | None = None  # the model file the fingerprint was read from
+        self._file: tuple[str, int, int] | None = None  # ... its size and time then
         self._reconnect = asyncio.Lock()
 
     # -- life cycle
@@ -634,16 +638,19 @@ class Proxy:
                 await asyncio.sleep(0.5)
         await self._connect(props)
 
-    def _identity_of(self, props: dict[str, Any]) -> tuple[Any, ...]:
-        """What a restart of the server may change of what start-up read: its model (the path,
-        and the size and time of the file the proxy reads), slot count and context size."""
-        model = self.model or props.get("model_path")
-        try:
-            file = _file_identity(model) if isinstance(model, str) and model else None
-        except OSError:
-            file = None
+    @staticmethod
+    def _identity_of(props: dict[str, Any]) -> tuple[Any, ...]:
+        """What the server says of itself that a restart may change: its model's path, slot count
+        and context size."""
         n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
-        return props.get("model_path"), file, props.get("total_slots"), n_ctx
+        return props.get("model_path"), props.get("total_slots"), n_ctx
+
+    def _model_file(self) -> tuple[str, int, int] | None:
+        """The size and time of the model file the fingerprint was read from (None: unreadable)."""
+        try:
+            return _file_identity(self._fingerprinted) if self._fingerprinted else None
+        except OSError:
+            return None
 
     async def _connect(self, props: dict[str, Any]) -> None:
         """Reads the server's slots, KV streams and model into the fingerprint its chunks are
@@ -665,6 +672,8 @@ class Proxy:
             raise InvalidArgumentError(
                 f"cannot read the server's model {model!r} here: give --model (the proxy runs beside it)"
             )
+        self._fingerprinted = model
+        file = self._model_file()
         self.slots = [_Slot(i) for i in range(n_slots)]
         # the KV stream count, and the slot dir checked, from an idle slot: the server saves a busy
         # one when its task ends, and the proxy listens only once this is done
@@ -686,7 +695,7 @@ class Proxy:
             )
         else:
             self.sharing = Sharing(self.store_url, fingerprint, n_ctx, **self.options)
-        self._identity = self._identity_of(props)
+        self._identity, self._file = self._identity_of(props), file
         log.info(
             "llama-server %s: %d slots of %d tokens, %d KV stream(s), model %s",
             self.server,
@@ -859,10 +868,11 @@ class Proxy:
         return slot
 
     async def _server_unchanged(self) -> bool:
-        """Whether the server is the one the fingerprint was read from; reads it again when it
-        restarted with another model (or its file written again), slot count or context size: its
-        K/V stored under the old fingerprint would pass for the old model's. False when the server
-        cannot be read now (the request passes through)."""
+        """Whether the server is the one the fingerprint was read from, so that its K/V may be
+        restored and stored under it (False: the request passes through). A server that says it
+        runs another model path, slot count or context size restarted: it is read again. A model
+        file written again (or touched) since it was read leaves the proxy unable to tell which
+        weights the server runs, before or after a restart: nothing is shared from then on."""
         try:
             if self._identity_of(await self._call("GET", "/props")) != self._identity:
                 async with self._reconnect:
@@ -872,9 +882,16 @@ class Proxy:
                             "llama-server %s restarted with another model, slots or context", self.server
                         )
                         await self._connect(props)
-        except CacheGenError as exc:
+        except Exception as exc:  # noqa: BLE001 - a model file half written: llama.cpp's ValueError
             log.warning("llama-server not read (%s): the request passes through", exc)
             return False
+        if self.sharing is not None and self._model_file() != self._file:
+            self.sharing, self.slots = None, []
+            log.warning(
+                "the model file %s changed since the proxy read it: it cannot tell which weights the "
+                "server runs, so nothing is shared until the proxy is started again (after the server)",
+                self._fingerprinted,
+            )
         return bool(self.slots)
 
     async def _pass_through(self, request: web.Request, raw: bytes) -> web.StreamResponse:
@@ -901,7 +918,8 @@ class Proxy:
                 tokens = await self._prompt_tokens(body, chat)
             except CacheGenError as exc:
                 log.warning("prompt not tokenized (%s): passed through", exc)
-        if tokens is None or (self.sharing is not None and 0 < self.sharing.n_ctx <= tokens.size):
+        sharing = self.sharing  # the server's fingerprint this request restores and uploads under
+        if tokens is None or (sharing is not None and 0 < sharing.n_ctx <= tokens.size):
             return await self._pass_through(request, raw)  # e.g. over the slot's context
         self.stats.completions += 1
         slot = await self._acquire(tokens, body.get("id_slot"))
@@ -909,7 +927,7 @@ class Proxy:
         restored = covered = 0
         answered = False
         try:
-            restored, covered = await self._restore_prefix(slot, tokens)
+            restored, covered = await self._restore_prefix(sharing, slot, tokens)
             body["id_slot"] = slot.id
             body["cache_prompt"] = True
             data = json.dumps(body).encode()
@@ -917,7 +935,7 @@ class Proxy:
             answered = 200 <= response.status < 300
             return response
         finally:
-            self._spawn(self._after(slot, tokens, covered, tail, restored > 0, answered))
+            self._spawn(self._after(sharing, slot, tokens, covered, tail, restored > 0, answered))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -937,10 +955,11 @@ class Proxy:
             "%s: %s (the server computes as usual; store skipped for %g s)", what, exc, stores.STORE_BACKOFF_S
         )
 
-    async def _restore_prefix(self, slot: _Slot, tokens: np.ndarray) -> tuple[int, int]:
+    async def _restore_prefix(
+        self, sharing: Sharing | None, slot: _Slot, tokens: np.ndarray
+    ) -> tuple[int, int]:
         """Restores the longest stored prefix into `slot` when it beats what the slot holds.
         Returns (tokens restored, chunks of the prompt the store holds); never raises."""
-        sharing = self.sharing
         if sharing is None or not self._store_ok():
             return 0, 0
         held = 0 if slot.unseen else common_prefix(slot.tokens, tokens)  # unseen: the store's K/V first
@@ -970,6 +989,8 @@ class Proxy:
             return 0, 0
         if loaded.slot_file is None:
             return 0, loaded.chunks
+        if not await self._server_unchanged() or self.sharing is not sharing:  # it restarted meanwhile
+            return 0, 0
         name = f"llama-cachegen-{self._nonce}-restore-{slot.id}.bin"
         path = self.slot_dir / name
         try:
@@ -1043,7 +1064,14 @@ class Proxy:
                 path.unlink()
 
     async def _after(
-        self, slot: _Slot, tokens: np.ndarray, covered: int, tail: bytes, replaced: bool, answered: bool
+        self,
+        sharing: Sharing | None,
+        slot: _Slot,
+        tokens: np.ndarray,
+        covered: int,
+        tail: bytes,
+        replaced: bool,
+        answered: bool,
     ) -> None:
         """After a response: remember what the slot holds; save and upload it unless the store
         already has every full chunk of it (or it may hold K/V the proxy did not see computed).
@@ -1057,8 +1085,8 @@ class Proxy:
                 return
             slot.tokens = tokens
             timings = _timings(tail)
-            if self.sharing is not None and timings.get("prompt_per_second"):
-                self.sharing.learn_compute(float(timings["prompt_per_second"]))
+            if sharing is not None and timings.get("prompt_per_second"):
+                sharing.learn_compute(float(timings["prompt_per_second"]))
             if replaced or timings.get("prompt_n") == tokens.size:  # all of it restored or computed
                 slot.unseen = False
             if slot.unseen:
@@ -1067,14 +1095,18 @@ class Proxy:
                 return
             total = int(tokens.size) + int(timings.get("predicted_n") or 0)
             c = self.options["chunk_tokens"]
-            if self.sharing is not None and total // c > covered and self._store_ok():
+            # the server read again since the request began: its K/V is not the fingerprint's
+            if sharing is not None and sharing is self.sharing and total // c > covered and self._store_ok():
                 if self.stats.pending_uploads >= _MAX_PENDING_UPLOADS:
                     self.stats.uploads_dropped += 1
                 else:
                     data = await self._save_slot(slot.id)
                     self.stats.saves += 1
                     slot.tokens, _ = read_slot_file(data)
-                    lossy = self.lossy.level(slot.tokens)
+                    # what the server reused of the prompt (the rest it computed: exact)
+                    computed = timings.get("prompt_n")
+                    reused = int(tokens.size) - int(computed) if computed is not None else int(tokens.size)
+                    lossy = self.lossy.level(slot.tokens, reused)
                     if common_prefix(slot.tokens, tokens) < tokens.size:
                         # the server shifted the context (--context-shift): the K/V it kept was
                         # computed beside tokens it dropped, not its own tokens' exact K/V
@@ -1084,12 +1116,12 @@ class Proxy:
             log.warning("slot %d: save failed (%s)", slot.id, exc)
         finally:
             slot.lock.release()
-        if data is None or self.sharing is None:
+        if data is None or sharing is None:
             return
         self.stats.pending_uploads += 1
         try:
             done = await asyncio.get_running_loop().run_in_executor(
-                self._uploader, self.sharing.upload, data, lossy
+                self._uploader, sharing.upload, data, lossy
             )
         except (UnsupportedFormatError, CorruptDataError) as exc:  # a slot that cannot be shared
             self.stats.upload_errors += 1
