@@ -476,6 +476,29 @@ def test_one_cache_serves_one_llama(tmp_path: Path) -> None:
     assert np.isnan(every.scores[: cached - 1]).all() and np.isfinite(every.scores[cached]).all()
 
 
+def test_a_store_that_refuses_writes_still_serves_its_hits(tmp_path: Path) -> None:
+    """A store that refuses writes (read-only, full) holding a prefix: a failed save of another
+    prompt set the whole store aside for 10 s, and the hit it held was a miss meanwhile."""
+    from llama_cachegen.errors import StoreError
+    from llama_cachegen.stores.file import FileStore
+
+    class ReadOnly(FileStore):
+        def _put(self, key: str, data: bytes) -> None:
+            raise StoreError(f"cannot write {key!r}: Read-only file system")
+
+    held = " ".join(sample_text("gpl-3.0.txt").split()[:60])
+    other = " ".join(sample_text("gfdl-1.3.txt").split()[:60])
+    writer = smollm()
+    writer.set_cache(CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C))
+    expected = greedy(writer, held, 4)
+    cache = CompressedStateCache(ReadOnly(tmp_path), level="lossless", chunk_tokens=C)
+    llm = smollm()
+    llm.set_cache(cache)
+    greedy(llm, other, 4)  # a miss, and its save refused
+    llm.reset()
+    assert greedy(llm, held, 4) == expected and (cache.hits, cache.misses) == (1, 1)
+
+
 def test_a_store_that_fails_during_a_hit_keeps_its_chunks(tmp_path: Path) -> None:
     """A read that fails on its way (a timeout, a reset) says nothing of the chunks: the hit is a
     miss and they stay (they were removed as damaged, from a store others share)."""

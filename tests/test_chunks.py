@@ -600,6 +600,30 @@ def test_lossy_kv_stays_lossy_through_a_lossless_container_and_without_tokens(
     assert lossy_level(other, 1, ids) == "balanced"
 
 
+def test_statistics_damaged_in_the_store_are_removed_and_a_save_heals_them(
+    gpl_tokens: list[int], tmp_path: Path
+) -> None:
+    """A byte of a statistics object flipped where it is stored: kept, it failed every load of
+    its chunks for good, since saving the same state makes statistics of the same id, which the
+    save skips as present (a prompt cache missed, and wrote its chunks again, at every turn)."""
+    writer = _llama(n_ctx=512)
+    tokens = gpl_tokens[:150]
+    writer.eval(tokens)
+    chunks.save_chunked(writer, tmp_path / "ctx", levels=("balanced",), chunk_tokens=32)
+    store = stores.open_store(str(tmp_path))
+    (stats,) = store.list(f"{PREFIX}stats/")
+    damaged = bytearray(store.get(stats.key))
+    damaged[len(damaged) // 2] ^= 0x01
+    store.put(stats.key, bytes(damaged))
+    llm = _llama(n_ctx=512)
+    with pytest.raises(CorruptDataError, match="does not hash to its id.*removed"):
+        chunks.load_chunked(llm, tmp_path / "ctx")
+    assert not store.exists(stats.key) and llm.n_tokens == 0
+    chunks.save_chunked(writer, tmp_path / "ctx", levels=("balanced",), chunk_tokens=32)
+    assert store.exists(stats.key)  # the same statistics, written again
+    assert chunks.load_chunked(llm, tmp_path / "ctx").tokens == 150
+
+
 def test_chunks_whose_statistics_are_gone_are_removed_and_saved_again(
     gpl_tokens: list[int], tmp_path: Path
 ) -> None:

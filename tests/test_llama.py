@@ -208,6 +208,29 @@ def test_altered_fingerprint_field_is_refused(target: Llama, source_blob: bytes,
     _assert_mismatch_leaves_context(target, forged, ModelMismatchError, f"{field}: saved 'other'")
 
 
+def test_models_that_differ_in_one_tensor_never_share_a_fingerprint(tmp_path: Path) -> None:
+    """A copy of the bundled model with one tensor's weights changed (a LoRA merged into it), its
+    metadata and size the same: the model hash sampled 16 blocks of 64 KiB over the file, which
+    missed such a tensor, and a cache shared by the two models loaded one's K/V into the other."""
+    import gguf
+    from llama_cachegen.model import default_model_path
+
+    source = default_model_path()
+    size = source.stat().st_size
+    sampled = [(max(0, size - (64 << 10)) * i // 15, 64 << 10) for i in range(16)]  # the old hash's reads
+    tensor = next(t for t in gguf.GGUFReader(source).tensors if t.name == "blk.10.attn_v.weight")
+    begin, end = int(tensor.data_offset), int(tensor.data_offset) + int(tensor.n_bytes)
+    assert not any(at < end and begin < at + n for at, n in sampled)  # the old hash never read it
+    data = bytearray(source.read_bytes())
+    data[begin + 64 : end - 64] = bytes(b ^ 0x01 for b in data[begin + 64 : end - 64])  # not its ends
+    edited = tmp_path / "edited.gguf"
+    edited.write_bytes(data)
+    hashes = [
+        model_fingerprint(Llama(str(p), n_ctx=64, verbose=False))["model_hash"] for p in (source, edited)
+    ]
+    assert hashes[0] != hashes[1]
+
+
 def test_corrupted_file_is_refused(target: Llama, source_blob: bytes) -> None:
     damaged = bytearray(source_blob)
     damaged[len(damaged) // 2] ^= 0x40

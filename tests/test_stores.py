@@ -142,6 +142,21 @@ def test_a_server_that_stops_answering_is_asked_once() -> None:
             conn.close()
 
 
+def test_a_file_store_removed_under_its_writer_is_made_again(tmp_path: Path) -> None:
+    """A tmp cleaner removed a running process's store folder: every later write failed until the
+    process restarted (the folder was made only when the store was opened)."""
+    import shutil
+
+    store = open_store(str(tmp_path / "store"))
+    store.put("a/one.bin", b"1")
+    shutil.rmtree(tmp_path / "store")
+    with pytest.raises(EntryNotFoundError):
+        store.get("a/one.bin")
+    assert store.list() == []
+    store.put("a/two.bin", b"2")
+    assert store.get("a/two.bin") == b"2"
+
+
 def test_killed_file_writer_leaves_no_torn_entry(tmp_path: Path) -> None:
     """SIGKILL a writer halfway through a put over an entry: readers see the old value, never a
     torn one, and the leftover temporary is not an entry."""

@@ -112,7 +112,8 @@ class CompressedStateCache(BaseLlamaCache):
         self.threads = threads
         self.namespace = "unbound"
         self.hits = self.misses = 0
-        self._down_until = 0.0  # time.monotonic() until which the store is skipped
+        self._down_until = 0.0  # time.monotonic() until which the store is skipped (a read failed)
+        self._writes_down_until = 0.0  # ... until which saves skip it (a write failed: full, read-only)
         self._fingerprint: dict[str, Any] | None = None
         self._llm: weakref.ref[llama_cpp.Llama] | None = None
         self._n_ctx: int | None = None
@@ -190,13 +191,20 @@ class CompressedStateCache(BaseLlamaCache):
         room = tokens.size if self._n_ctx is None else min(tokens.size, self._n_ctx)
         return chunks._match(self.store, fingerprint, tokens[: room // c * c], c, (self.level,))
 
-    def _store_ok(self) -> bool:
-        return time.monotonic() >= self._down_until
+    def _store_ok(self, write: bool = False) -> bool:
+        now = time.monotonic()
+        return now >= self._down_until and (not write or now >= self._writes_down_until)
 
-    def _store_failed(self, what: str, exc: BaseException) -> None:
-        # lookups and saves skip it a while (a stalled Redis added ~10 s to every completion)
-        self._down_until = time.monotonic() + STORE_BACKOFF_S
-        _log.warning("prompt cache: %s: %s (store skipped for %g s)", what, exc, STORE_BACKOFF_S)
+    def _store_failed(self, what: str, exc: BaseException, write: bool = False) -> None:
+        # lookups and saves skip it a while (a stalled Redis added ~10 s to every completion); a
+        # failed save only saves (a full or read-only store still serves the hits it holds)
+        until = time.monotonic() + STORE_BACKOFF_S
+        if write:
+            self._writes_down_until = until
+        else:
+            self._down_until = until
+        skipped = "saves skipped" if write else "store skipped"
+        _log.warning("prompt cache: %s: %s (%s for %g s)", what, exc, skipped, STORE_BACKOFF_S)
 
     def _lookup(self, key: Sequence[int]) -> chunks.PrefixMatch:
         """_match, with a store that fails (down, unreadable) a miss, warned and skipped for a while
@@ -347,12 +355,12 @@ class CompressedStateCache(BaseLlamaCache):
         """Stores the state's complete chunks the store lacks. A store that fails (full, read-only,
         down) loses the cache entry, never the completion llama-cpp-python is returning: warned."""
         fingerprint = self._bound()  # a cache without its model is the caller's error: raised
-        if not self._store_ok():
+        if not self._store_ok(write=True):
             return
         try:
             self._store_state(value, fingerprint)
         except (StoreError, OSError) as exc:
-            self._store_failed("state not stored", exc)
+            self._store_failed("state not stored", exc, write=True)
         except CacheGenError as exc:
             _log.warning("prompt cache: state not stored: %s", exc)
 

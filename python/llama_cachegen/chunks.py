@@ -610,14 +610,15 @@ class _ChunkReader:
         return list(self._stats)
 
     def get_verified(self, key: str, object_id: str, what: str) -> bytes:
-        """A content-addressed object whose sha256 must be its id. A skeleton damaged where it is
-        stored is discarded (`discard_damaged`); statistics are not: the chunks that name them
-        would stay unusable, as a save writes statistics of its own."""
+        """A content-addressed object whose sha256 must be its id; one damaged where it is stored
+        is discarded (`discard_damaged`). Kept, damaged statistics failed every load of the chunks
+        naming them for good: saving the same state again makes statistics of the same id, which
+        a save skips as present (a prompt cache missed and wrote those chunks again at every
+        completion)."""
         data = self.store.get(key)
         self._count(len(data))
         if _sha256(data) != object_id:
-            exc = CorruptDataError(f"{what} {key!r} does not hash to its id")
-            raise self.discard_damaged(exc, key, data) if what == "skeleton" else exc
+            raise self.discard_damaged(CorruptDataError(f"{what} {key!r} does not hash to its id"), key, data)
         return data
 
     def discard_damaged(self, exc: CorruptDataError, key: str, data: bytes) -> CorruptDataError:

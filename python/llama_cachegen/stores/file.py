@@ -193,7 +193,13 @@ class FileStore(Store):
             os.close(fd)
 
     def _open_folder(self, key: str, *, create: bool = False) -> int:
-        fd = os.open(self._real_root, _DIR_FLAGS)
+        try:
+            fd = os.open(self._real_root, _DIR_FLAGS)
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.makedirs(self._real_root, exist_ok=True)  # removed under a running writer (a tmp cleaner)
+            fd = os.open(self._real_root, _DIR_FLAGS)
         try:
             for folder in check_key(key).split("/")[:-1]:
                 if create:
