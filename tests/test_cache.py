@@ -479,12 +479,15 @@ def test_one_cache_serves_one_llama(tmp_path: Path) -> None:
 def test_a_store_that_refuses_writes_still_serves_its_hits(tmp_path: Path) -> None:
     """A store that refuses writes (read-only, full) holding a prefix: a failed save of another
     prompt set the whole store aside for 10 s, and the hit it held was a miss meanwhile."""
+    import errno
+
     from llama_cachegen.errors import StoreError
     from llama_cachegen.stores.file import FileStore
 
     class ReadOnly(FileStore):
         def _put(self, key: str, data: bytes) -> None:
-            raise StoreError(f"cannot write {key!r}: Read-only file system")
+            refused = OSError(errno.EROFS, "Read-only file system")
+            raise StoreError(f"cannot write {key!r}: {refused.strerror}") from refused
 
     held = " ".join(sample_text("gpl-3.0.txt").split()[:60])
     other = " ".join(sample_text("gfdl-1.3.txt").split()[:60])

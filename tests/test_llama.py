@@ -231,6 +231,35 @@ def test_models_that_differ_in_one_tensor_never_share_a_fingerprint(tmp_path: Pa
     assert hashes[0] != hashes[1]
 
 
+def test_a_split_model_is_known_by_every_file(tmp_path: Path) -> None:
+    """A model split in several GGUF files (llama.cpp loads them all from the first's path): one
+    tensor of its last file changed (a LoRA merged there), the first file the same. The hash read
+    the first file only, so the two models shared K/V."""
+    import gguf
+    import tiny_models
+
+    source = gguf.GGUFReader(tiny_models.write_qwen3(tmp_path / "tiny.gguf"))
+    last = source.tensors[-1].name
+    for name, edit in (("a", None), ("b", last)):
+        w = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "qwen3", split_max_tensors=8)
+        for key, f in source.fields.items():
+            if not key.startswith("GGUF.") and key != "general.architecture":
+                w.add_key_value(
+                    key, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None
+                )
+        for t in source.tensors:
+            data = np.array(t.data)
+            w.add_tensor(t.name, data + np.float32(0.01) if t.name == edit else data, raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    first = [sorted(tmp_path.glob(f"{name}-*-of-*.gguf")) for name in ("a", "b")]
+    assert len(first[0]) > 2 and first[0][0].read_bytes() == first[1][0].read_bytes()
+    hashes = [model_fingerprint(Llama(str(f[0]), n_ctx=64, verbose=False))["model_hash"] for f in first]
+    assert hashes[0] != hashes[1]
+
+
 def test_corrupted_file_is_refused(target: Llama, source_blob: bytes) -> None:
     damaged = bytearray(source_blob)
     damaged[len(damaged) // 2] ^= 0x40

@@ -14,6 +14,7 @@ the fingerprint, so different models or KV layouts never meet.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import time
 import weakref
@@ -53,6 +54,30 @@ from .stores import STORE_BACKOFF_S, Store, open_store
 
 _log = logging.getLogger("llama_cachegen.cache")
 SNAPSHOTS = f"{chunks.PREFIX}snapshots/"  # whole contexts of models with a recurrent state
+
+
+# what a store that answered says when it takes no more writes: read-only or full (file system,
+# HTTP 403 / 413 / 507, Redis READONLY / OOM); its reads still serve
+_REFUSED_ERRNOS = frozenset((errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM))
+_REFUSED_HTTP = frozenset((403, 413, 507))
+try:
+    from redis.exceptions import OutOfMemoryError, ReadOnlyError
+
+    _REDIS_REFUSALS: tuple[type[BaseException], ...] = (ReadOnlyError, OutOfMemoryError)
+except ImportError:  # the redis extra is optional
+    _REDIS_REFUSALS = ()
+
+
+def _write_refused(exc: BaseException) -> bool:
+    """Whether a failed save was a store refusing the write (not one that is down or stalled)."""
+    for e in (exc, exc.__cause__):
+        if isinstance(e, OSError) and e.errno in _REFUSED_ERRNOS:
+            return True
+        if getattr(e, "http_status", None) in _REFUSED_HTTP:
+            return True
+        if isinstance(e, _REDIS_REFUSALS):
+            return True
+    return False
 
 
 class _CachedState(llama_cpp.llama.LlamaState):
@@ -360,7 +385,7 @@ class CompressedStateCache(BaseLlamaCache):
         try:
             self._store_state(value, fingerprint)
         except (StoreError, OSError) as exc:
-            self._store_failed("state not stored", exc, write=True)
+            self._store_failed("state not stored", exc, write=_write_refused(exc))
         except CacheGenError as exc:
             _log.warning("prompt cache: state not stored: %s", exc)
 

@@ -18,8 +18,8 @@ import ctypes
 import hashlib
 import json
 import logging
-import mmap
 import os
+import re
 import struct
 import time
 import weakref
@@ -192,7 +192,7 @@ class LoadReport:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-_hash_cache: dict[tuple[str, int, int], str] = {}
+_hash_cache: dict[tuple[tuple[str, int, int], ...], str] = {}
 _lora_hash_cache: dict[tuple[str, int, int], str] = {}
 
 
@@ -207,15 +207,19 @@ _GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12:
 _GGUF_STRING, _GGUF_ARRAY, _GGUF_U32 = 8, 9, 4
 
 
-def _gguf_tensors(m: mmap.mmap) -> tuple[bytes, list[tuple[int, int]]] | None:
-    """The tensor-info bytes of a GGUF (v2, v3) file and each tensor's data span (start, end) in
-    it, the spans in file order; None for anything else. gguf-py's reader takes seconds on a large
-    vocabulary (it makes an object of every token): this only steps over the metadata values."""
+class _PastEnd(Exception):
+    """The GGUF head runs past the bytes read so far."""
+
+
+def _parse_gguf_head(head: bytes, size: int) -> tuple[bytes, list[tuple[int, int]]] | None:
+    """_gguf_tensors on the first bytes of a file of `size` bytes; _PastEnd when they end first."""
     off = 0
 
     def take(fmt: str) -> Any:
         nonlocal off
-        values = struct.unpack_from(fmt, m, off)
+        if off + struct.calcsize(fmt) > len(head):
+            raise _PastEnd
+        values = struct.unpack_from(fmt, head, off)
         off += struct.calcsize(fmt)
         return values[0]
 
@@ -232,76 +236,100 @@ def _gguf_tensors(m: mmap.mmap) -> tuple[bytes, list[tuple[int, int]]] | None:
                 skip(inner, take("<Q"))
         else:
             raise ValueError(f"GGUF value type {kind}")
-        if off > len(m):
-            raise ValueError("past the end")
+        if off > len(head):
+            raise _PastEnd
 
-    try:
-        if m[:4] != b"GGUF" or take("<4xI") not in (2, 3):
-            return None
-        n_tensors, n_kv = take("<Q"), take("<Q")
-        alignment = 32
-        for _ in range(n_kv):
-            key = bytes(m[off + 8 : off + 8 + take("<Q")])
-            off += len(key)
-            kind = take("<I")
-            if key == b"general.alignment" and kind == _GGUF_U32:
-                alignment = max(1, take("<I"))
-            else:
-                skip(kind)
-        infos_start, offsets = off, []
-        for _ in range(n_tensors):
-            skip(_GGUF_STRING)
-            skip(10, take("<I"))  # dims, u64 each
-            offsets.append(take("<4xQ"))  # after the ggml type
-        infos = bytes(m[infos_start:off])
-        data = -(-off // alignment) * alignment
-        starts = sorted(data + o for o in offsets)
-        if any(not data <= a <= len(m) for a in starts):
-            return None
-        return infos, list(zip(starts, starts[1:] + [len(m)], strict=True))
-    except (struct.error, ValueError, OverflowError):
+    if head[:4] != b"GGUF" or take("<4xI") not in (2, 3):
         return None
+    n_tensors, n_kv = take("<Q"), take("<Q")
+    alignment = 32
+    for _ in range(n_kv):
+        key_size = take("<Q")
+        key = head[off : off + key_size]
+        off += key_size
+        kind = take("<I")
+        if key == b"general.alignment" and kind == _GGUF_U32:
+            alignment = max(1, take("<I"))
+        else:
+            skip(kind)
+    infos_start, offsets = off, []
+    for _ in range(n_tensors):
+        skip(_GGUF_STRING)
+        skip(10, take("<I"))  # dims, u64 each
+        offsets.append(take("<4xQ"))  # after the ggml type
+    data = -(-off // alignment) * alignment
+    starts = sorted(data + o for o in offsets)
+    if any(not data <= a <= size for a in starts):
+        return None
+    return head[infos_start:off], list(zip(starts, starts[1:] + [size], strict=True))
+
+
+def _gguf_tensors(fd: int, size: int) -> tuple[bytes, list[tuple[int, int]]] | None:
+    """The tensor-info bytes of a GGUF (v2, v3) file and each tensor's data span (start, end), in
+    file order; None for anything else. gguf-py's reader takes seconds on a large vocabulary (an
+    object per token): this steps over the metadata values, reading the head in growing pieces
+    (pread: a file cut short meanwhile gives fewer bytes, where a memory map would fault)."""
+    n = 1 << 20
+    while True:
+        head = os.pread(fd, min(n, size), 0)
+        try:
+            return _parse_gguf_head(head, size)
+        except _PastEnd:
+            if len(head) >= size:
+                return None
+        except (struct.error, ValueError, OverflowError):
+            return None
+        n *= 4
+
+
+def _model_files(path: str, metadata: dict[str, str]) -> list[str]:
+    """The model's GGUF files: one split in n (`split.count`) is named after its first file as
+    llama.cpp's llama_split_path names them (`<prefix>-0000i-of-0000n.gguf`), and loads them all."""
+    count = int(metadata.get("split.count", 0) or 0)
+    first = re.fullmatch(r"(.*)-\d{5}-of-\d{5}\.gguf", path)
+    if count <= 1 or first is None:
+        return [path]
+    return [f"{first[1]}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
 
 
 def _model_hash(llm: llama_cpp.Llama) -> str:
-    """sha256 of the model's metadata and sizes, its tensors' names, shapes and types, and 4 KiB at
-    the start, middle and end of every tensor's data.
+    """sha256 of the model's metadata and sizes, and of each of its files the tensors' names,
+    shapes and types and 4 KiB at the start, middle and end of every tensor's data.
 
     Reading ~12 KiB per tensor keeps this at milliseconds for multi-GB models and tells apart any
     two models whose tensors differ throughout: fine-tunes, requantizations, LoRA adapters merged
-    into a few tensors (16 blocks sampled over the whole file missed q/v-only merges about one time
-    in eight). A file that is not GGUF v2/v3 falls back to 16 blocks of 64 KiB over the file.
+    into a few tensors (16 blocks sampled over the first file missed q/v-only merges about one time
+    in eight, and every tensor of a split model's other files). A file that is not GGUF v2/v3
+    falls back to 16 blocks of 64 KiB over it. A file written while it is read raises.
     """
-    path = os.fspath(llm.model_path)
-    cache_key = _file_identity(path)
-    size = cache_key[1]
+    files = _model_files(os.fspath(llm.model_path), llm.metadata)
+    cache_key = tuple(_file_identity(f) for f in files)
     if cache_key in _hash_cache:
         return _hash_cache[cache_key]
     h = hashlib.sha256()
     h.update(json.dumps(llm.metadata, sort_keys=True, default=str).encode())
     h.update(
-        struct.pack(
-            "<QQQ",
-            llama_cpp.llama_model_size(llm.model),
-            llama_cpp.llama_model_n_params(llm.model),
-            size,
-        )
+        struct.pack("<QQ", llama_cpp.llama_model_size(llm.model), llama_cpp.llama_model_n_params(llm.model))
     )
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        found = _gguf_tensors(m)
-        if found is None:
-            block = 64 << 10
-            spans = [(at, at + block) for at in (max(0, size - block) * i // 15 for i in range(16))]
-        else:
-            infos, tensors = found
-            h.update(infos)
-            block, spans = 4 << 10, []
-            for a, b in tensors:  # the start, middle and end of each, within it
-                for at in (a, (a + b) // 2, b - block):
-                    lo = max(a, min(at, b - block))
-                    spans.append((lo, min(b, lo + block)))
-        for a, b in spans:
-            h.update(m[a:b])
+    for path, (_, size, _) in zip(files, cache_key, strict=True):
+        h.update(struct.pack("<Q", size))
+        with open(path, "rb") as f:
+            found = _gguf_tensors(f.fileno(), size)
+            if found is None:
+                block = 64 << 10
+                spans = [(at, at + block) for at in (max(0, size - block) * i // 15 for i in range(16))]
+            else:
+                infos, tensors = found
+                h.update(infos)
+                block, spans = 4 << 10, []
+                for a, b in tensors:  # the start, middle and end of each, within it
+                    for at in (a, (a + b) // 2, b - block):
+                        lo = max(a, min(at, b - block))
+                        spans.append((lo, min(b, lo + block)))
+            for a, b in spans:
+                h.update(os.pread(f.fileno(), b - a, a))
+    if tuple(_file_identity(f) for f in files) != cache_key:
+        raise CacheGenError(f"the model file {files[0]} was written while it was read: try again")
     _hash_cache[cache_key] = digest = h.hexdigest()
     return digest
 
