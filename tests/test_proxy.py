@@ -150,6 +150,24 @@ def test_lossy_restores_count_where_a_prompt_reused_their_lossy_positions() -> N
     assert restores.level(tokens, n) is None
 
 
+def test_every_file_of_a_split_model_is_watched(tmp_path: Path) -> None:
+    """A model file written again in place stops sharing (the proxy cannot tell which weights the
+    server runs): a split model's second file too (only the first was watched)."""
+    from llama_cachegen.proxy import Proxy
+
+    files = [tmp_path / f"m-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    for f in files:
+        f.write_bytes(b"x")
+    proxy = Proxy("http://127.0.0.1:9", tmp_path, str(tmp_path / "store"))
+    proxy._fingerprinted = str(files[0])
+    before = proxy._model_file()
+    assert before is not None and len(before) == 3
+    files[1].write_bytes(b"yy")
+    assert proxy._model_file() not in (before, None)
+    files[2].unlink()
+    assert proxy._model_file() is None
+
+
 def test_refuses_public_listen_without_token(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "llama_cachegen", "proxy", "--server", "http://127.0.0.1:9", "--slot-dir",

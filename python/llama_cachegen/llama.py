@@ -282,14 +282,15 @@ def _gguf_tensors(fd: int, size: int) -> tuple[bytes, list[tuple[int, int]]] | N
         n *= 4
 
 
-def _model_files(path: str, metadata: dict[str, str]) -> list[str]:
-    """The model's GGUF files: one split in n (`split.count`) is named after its first file as
-    llama.cpp's llama_split_path names them (`<prefix>-0000i-of-0000n.gguf`), and loads them all."""
-    count = int(metadata.get("split.count", 0) or 0)
-    first = re.fullmatch(r"(.*)-\d{5}-of-\d{5}\.gguf", path)
-    if count <= 1 or first is None:
+def _model_files(path: str, count: int | None = None) -> list[str]:
+    """The model's GGUF files: one split in n (`split.count`; None: as its name says) is named
+    after its first file as llama.cpp's llama_split_path names them (`<prefix>-0000i-of-0000n.gguf`),
+    and loads them all."""
+    first = re.fullmatch(r"(.*)-\d{5}-of-(\d{5})\.gguf", path)
+    if first is None:
         return [path]
-    return [f"{first[1]}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    count = int(first[2]) if count is None else count
+    return [f"{first[1]}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)] if count > 1 else [path]
 
 
 def _model_hash(llm: llama_cpp.Llama) -> str:
@@ -302,7 +303,7 @@ def _model_hash(llm: llama_cpp.Llama) -> str:
     in eight, and every tensor of a split model's other files). A file that is not GGUF v2/v3
     falls back to 16 blocks of 64 KiB over it. A file written while it is read raises.
     """
-    files = _model_files(os.fspath(llm.model_path), llm.metadata)
+    files = _model_files(os.fspath(llm.model_path), int(llm.metadata.get("split.count", 0) or 0))
     cache_key = tuple(_file_identity(f) for f in files)
     if cache_key in _hash_cache:
         return _hash_cache[cache_key]

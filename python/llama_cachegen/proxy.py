@@ -55,7 +55,7 @@ from aiohttp import web
 
 from . import chunks, codec, stores
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, UnsupportedFormatError
-from .llama import FINGERPRINT_FIELDS, StateMeta, _file_identity, _model_hash, better_level
+from .llama import FINGERPRINT_FIELDS, StateMeta, _file_identity, _model_files, _model_hash, better_level
 from .llama_format import GGML_TYPE_NAMES, GGML_TYPES, GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC
 from .stores.http import TOKEN_ENV, bearer_ok, is_loopback, load_token
 
@@ -607,7 +607,7 @@ class Proxy:
         self._identity: tuple[Any, ...] | None = None  # of the server the fingerprint was read from
         self._model_path: str | None = None  # the server's, when --model was checked against it
         self._fingerprinted: str | None = None  # the model file the fingerprint was read from
-        self._file: tuple[str, int, int] | None = None  # ... its size and time then
+        self._file: tuple[tuple[str, int, int], ...] | None = None  # ... their size and time then
         self._reconnect = asyncio.Lock()
 
     # -- life cycle
@@ -645,10 +645,13 @@ class Proxy:
         n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
         return props.get("model_path"), props.get("total_slots"), n_ctx
 
-    def _model_file(self) -> tuple[str, int, int] | None:
-        """The size and time of the model file the fingerprint was read from (None: unreadable)."""
+    def _model_file(self) -> tuple[tuple[str, int, int], ...] | None:
+        """The size and time of the model files (every one of a split model) the fingerprint was
+        read from; None where one cannot be read."""
         try:
-            return _file_identity(self._fingerprinted) if self._fingerprinted else None
+            return (
+                tuple(map(_file_identity, _model_files(self._fingerprinted))) if self._fingerprinted else None
+            )
         except OSError:
             return None
 
