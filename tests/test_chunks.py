@@ -600,18 +600,27 @@ def test_lossy_kv_stays_lossy_through_a_lossless_container_and_without_tokens(
     assert lossy_level(other, 1, ids) == "balanced"
 
 
-def test_statistics_damaged_in_the_store_are_removed_and_a_save_heals_them(
+def _saved_balanced(
     gpl_tokens: list[int], tmp_path: Path
-) -> None:
-    """A byte of a statistics object flipped where it is stored: kept, it failed every load of
-    its chunks for good, since saving the same state makes statistics of the same id, which the
-    save skips as present (a prompt cache missed, and wrote its chunks again, at every turn)."""
+) -> tuple[Llama, list[int], stores.Store, stores.EntryInfo]:
+    """150 tokens saved at balanced in 32-token chunks under tmp_path/ctx: the writer, the tokens,
+    the store and its one statistics entry."""
     writer = _llama(n_ctx=512)
     tokens = gpl_tokens[:150]
     writer.eval(tokens)
     chunks.save_chunked(writer, tmp_path / "ctx", levels=("balanced",), chunk_tokens=32)
     store = stores.open_store(str(tmp_path))
     (stats,) = store.list(f"{PREFIX}stats/")
+    return writer, tokens, store, stats
+
+
+def test_statistics_damaged_in_the_store_are_removed_and_a_save_heals_them(
+    gpl_tokens: list[int], tmp_path: Path
+) -> None:
+    """A byte of a statistics object flipped where it is stored: kept, it failed every load of
+    its chunks for good, since saving the same state makes statistics of the same id, which the
+    save skips as present (a prompt cache missed, and wrote its chunks again, at every turn)."""
+    writer, _, store, stats = _saved_balanced(gpl_tokens, tmp_path)
     damaged = bytearray(store.get(stats.key))
     damaged[len(damaged) // 2] ^= 0x01
     store.put(stats.key, bytes(damaged))
@@ -631,12 +640,7 @@ def test_chunks_whose_statistics_are_gone_are_removed_and_saved_again(
     failed, and saving again skipped the chunks (they exist), so it never healed. A load now removes
     them and finds what is left (nothing: a 0-token report); the next save writes them again. A
     chunk evicted between the lookup and its read: looked up again, the prefix before it loads."""
-    writer = _llama(n_ctx=512)
-    tokens = gpl_tokens[:150]
-    writer.eval(tokens)
-    chunks.save_chunked(writer, tmp_path / "ctx", levels=("balanced",), chunk_tokens=32)
-    store = stores.open_store(str(tmp_path))
-    (stats,) = store.list(f"{PREFIX}stats/")
+    writer, tokens, store, stats = _saved_balanced(gpl_tokens, tmp_path)
     store.delete(stats.key)
     llm = _llama(n_ctx=512)
     assert chunks.load_prefix(llm, tmp_path, tokens, chunk_tokens=32).tokens == 0

@@ -265,6 +265,17 @@ def _tokenize(server: str, text: str, add_special: bool) -> list[int]:
     return _post(server + "/tokenize", {"content": text, "add_special": add_special})[0]["tokens"]
 
 
+def _tiny_body(n_tokens: int) -> dict[str, Any]:
+    """A greedy completion of tiny_models' first tokens, letters only (see tiny_models)."""
+    return {
+        "prompt": tiny_models.TOKENS[:n_tokens],
+        "n_predict": 4,
+        "temperature": 0.0,
+        "cache_prompt": True,
+        "logit_bias": [[t, False] for t in tiny_models.LETTERS_ONLY],
+    }
+
+
 def _complete(url: str, prompt: Any, **extra: Any) -> tuple[dict[str, Any], dict[str, str]]:
     body = {"prompt": prompt, "n_predict": 12, "temperature": 0.0, "cache_prompt": True, **extra}
     return _post(url + "/completion", body)
@@ -480,13 +491,7 @@ def test_other_architectures_share_or_say_why(
         server, slot_dir = cluster.server(f"{arch}-{name}", model)
         servers.append(server)
         proxies.append(cluster.proxy_of(server, slot_dir, store))
-    body = {
-        "prompt": tiny_models.TOKENS[:250],
-        "n_predict": 4,
-        "temperature": 0.0,
-        "cache_prompt": True,
-        "logit_bias": [[t, False] for t in tiny_models.LETTERS_ONLY],  # see tiny_models
-    }
+    body = _tiny_body(250)
     first = _post(proxies[0] + "/completion", body)[0]["content"]
     stats_a = _wait_uploads(proxies[0], 1)
     second = _post(proxies[1] + "/completion", body)[0]["content"]
@@ -513,13 +518,7 @@ def test_a_sliding_window_model_without_swa_full_shares_nothing(cluster: Cluster
         servers.append(server)
         proxies.append(cluster.proxy_of(server, slot_dir, store, "--chunk-tokens", "32"))
         logs.append(cluster.root / f"proxy-{len(cluster.procs) - 1}.log")
-    body = {
-        "prompt": tiny_models.TOKENS[:100],
-        "n_predict": 4,
-        "temperature": 0.0,
-        "cache_prompt": True,
-        "logit_bias": [[t, False] for t in tiny_models.LETTERS_ONLY],
-    }
+    body = _tiny_body(100)
     first = _post(proxies[0] + "/completion", body)[0]["content"]
     deadline = time.monotonic() + 5.0  # a save after the answer took milliseconds
     while time.monotonic() < deadline and not _stats(proxies[0])["saves"]:
@@ -636,13 +635,7 @@ def test_a_server_restarted_on_another_model_is_read_again(cluster: Cluster, tmp
     server, slot_dir = cluster.server("swap", first)
     server_proc = cluster.procs[-1]
     proxy = cluster.proxy_of(server, slot_dir, str(store))
-    body = {
-        "prompt": tiny_models.TOKENS[:300],
-        "n_predict": 4,
-        "temperature": 0.0,
-        "cache_prompt": True,
-        "logit_bias": [[t, False] for t in tiny_models.LETTERS_ONLY],
-    }
+    body = _tiny_body(300)
     _post(proxy + "/completion", body)
     _wait_uploads(proxy, 1)
     server_proc.terminate()
