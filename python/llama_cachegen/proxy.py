@@ -660,15 +660,15 @@ class Proxy:
         stored under: at start-up, and again when it restarted with another model or slots."""
         self.sharing = None  # until the fingerprint is read
         self.lossy.clear()
-        n_slots = int(props.get("total_slots") or 1)
-        n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
-        model = self.model or props.get("model_path")
+        identity = self._identity_of(props)
+        server_model, n_slots, n_ctx = identity[0], int(identity[1] or 1), int(identity[2] or 0)
+        model = self.model or server_model
         if self._model_path is None:
-            self._model_path = props.get("model_path")
-        elif self.model and props.get("model_path") != self._model_path:
-            self.slots, self._identity = [], self._identity_of(props)  # every completion passes through
+            self._model_path = server_model
+        elif self.model and server_model != self._model_path:
+            self.slots, self._identity = [], identity  # every completion passes through
             raise InvalidArgumentError(
-                f"the server now runs {props.get('model_path')!r}, not {self._model_path!r} as at start-up: "
+                f"the server now runs {server_model!r}, not {self._model_path!r} as at start-up: "
                 f"--model {self.model!r} may not be it; nothing is shared until it runs that again"
             )
         if not model or not Path(model).is_file():
@@ -698,7 +698,7 @@ class Proxy:
             )
         else:
             self.sharing = Sharing(self.store_url, fingerprint, n_ctx, **self.options)
-        self._identity, self._file = self._identity_of(props), file
+        self._identity, self._file = identity, file
         log.info(
             "llama-server %s: %d slots of %d tokens, %d KV stream(s), model %s",
             self.server,
