@@ -231,6 +231,31 @@ def test_models_that_differ_in_one_tensor_never_share_a_fingerprint(tmp_path: Pa
     assert hashes[0] != hashes[1]
 
 
+def test_a_file_that_is_no_gguf_or_cut_short_gives_no_tensor_table(tmp_path: Path) -> None:
+    """The model hash reads the GGUF tensor table itself: anything else (junk, a head cut short, a
+    tensor offset past the end) falls back to sampled blocks, without an exception or a huge read."""
+    import os
+
+    from llama_cachegen.llama import _gguf_tensors
+    from llama_cachegen.model import default_model_path
+
+    head = default_model_path().read_bytes()[: 3 << 20]  # SmolLM2's head ends before 2 MiB
+    cases = {
+        "junk": b"not a model" * 1000,
+        "cut": head[:50_000],  # in its vocabulary
+        "counts": head[:16] + (2**60).to_bytes(8, "little") + head[24:200_000],  # 2^60 metadata values
+    }
+    for name, data in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        with open(path, "rb") as f:
+            assert _gguf_tensors(f.fileno(), os.path.getsize(path)) is None, name
+    path = tmp_path / "whole-head"
+    path.write_bytes(head)  # a whole head, but most tensors start past the end of these bytes
+    with open(path, "rb") as f:
+        assert _gguf_tensors(f.fileno(), len(head)) is None
+
+
 def test_a_split_model_is_known_by_every_file(tmp_path: Path) -> None:
     """A model split in several GGUF files (llama.cpp loads them all from the first's path): one
     tensor of its last file changed (a LoRA merged there), the first file the same. The hash read
