@@ -511,10 +511,10 @@ def test_a_store_that_fails_during_a_hit_keeps_its_chunks(tmp_path: Path) -> Non
     class Flaky(FileStore):
         failing = False
 
-        def get(self, key: str) -> bytes:
+        def get(self, key: str, max_size: int | None = None) -> bytes:
             if self.failing and "/chunks/" in key:
                 raise StoreError(f"timed out reading {key!r}")
-            return super().get(key)
+            return super().get(key, max_size)
 
     prompt = " ".join(sample_text("gpl-3.0.txt").split()[:60])
     writer = smollm()

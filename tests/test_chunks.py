@@ -19,6 +19,7 @@ from llama_cachegen.errors import (
     ChecksumError,
     CorruptDataError,
     InvalidArgumentError,
+    LimitExceededError,
     ModelMismatchError,
     TruncatedDataError,
     UnsupportedVersionError,
@@ -352,6 +353,9 @@ def test_bad_chunks_are_refused_and_leave_the_context(saved_small: dict[str, Any
     _refused(target, load, CorruptDataError, "holds another chunk")
     store.put(key[2], good[: len(good) // 2])
     _refused(target, load, TruncatedDataError)
+    store.put(key[2], good)
+    os.truncate(saved_small["url"].parent / key[2], 1 << 30)  # more than a chunk can hold: not read
+    _refused(target, load, LimitExceededError, "more than")
     flipped = bytearray(good)
     flipped[len(flipped) * 3 // 4] ^= 0x10
     store.put(key[2], bytes(flipped))

@@ -19,7 +19,13 @@ from typing import Any
 
 import pytest
 from conftest import DEAD_WRITER, free_port, wait_port
-from llama_cachegen.errors import AuthenticationError, EntryNotFoundError, InvalidArgumentError, StoreError
+from llama_cachegen.errors import (
+    AuthenticationError,
+    EntryNotFoundError,
+    InvalidArgumentError,
+    LimitExceededError,
+    StoreError,
+)
 from llama_cachegen.stores import KEY_ENV, TAG_MAGIC, Store, open_store, read_url, write_url
 from llama_cachegen.stores.file import FileStore
 from llama_cachegen.stores.http import MAX_POST_BODY, TOKEN_ENV
@@ -65,6 +71,17 @@ def test_put_get_list_touch_delete(store: Store) -> None:
         store.get("a/one.bin")
     with pytest.raises(KeyError):  # EntryNotFoundError is a KeyError too
         store.get("nothing")
+
+
+def test_a_value_over_max_size_is_not_read(store: Store) -> None:
+    """A reader that knows the most an object can hold reads no further (a planted object of 2 GiB
+    where a chunk goes was read whole before its tag refused it)."""
+    store.put("big.bin", b"v" * 10000)
+    assert store.get("big.bin", max_size=10000) == b"v" * 10000
+    with pytest.raises(LimitExceededError, match="more than"):
+        store.get("big.bin", max_size=9999)
+    with pytest.raises(EntryNotFoundError):
+        store.get("absent.bin", max_size=10)
 
 
 @pytest.mark.parametrize("key", ["", "../escape", "a/../b", "/abs", "a//b", ".hidden", "sp ace"])
@@ -180,7 +197,8 @@ def test_http_upload_cut_short_stores_nothing(http_server: tuple[str, Path]) -> 
     base, root = http_server
     port = int(base.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"PUT /cut/entry.bin HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"x" * 5000)
+        head = b"PUT /cut/entry.bin HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n"
+        s.sendall(head + b"x" * 5000)
     time.sleep(0.3)
     with open_store(base) as store:
         assert not store.exists("cut/entry.bin")
@@ -204,7 +222,7 @@ def test_tagged_objects_verify_and_refuse_forgeries(store: Store, monkeypatch: p
     with pytest.raises(AuthenticationError, match="does not match"):
         open_store(str(url), auth_key="k2").get("a/entry.lcg")
     raw = open_store(str(url), auth_key="")
-    tagged = raw._get("a/entry.lcg")
+    tagged = raw._get("a/entry.lcg", None)
     assert tagged.startswith(TAG_MAGIC) and tagged.endswith(b"honest bytes")
     raw._put("a/replayed.lcg", tagged)  # a valid object under another key name
     with pytest.raises(AuthenticationError):
@@ -436,6 +454,43 @@ def test_idle_connections_do_not_block_requests(token_server: tuple[str, Path]) 
             s.close()
 
 
+def test_a_server_without_a_token_serves_loopback_names_to_no_web_page(http_server: tuple[str, Path]) -> None:
+    """A web page can reach a loopback port through a name it rebinds to 127.0.0.1 (its own Host
+    header) or with a cross-site form POST (no preflight): both wrote, read and deleted entries."""
+    base, root = http_server
+    port = int(base.rsplit(":", 1)[1])
+    FileStore(root).put("web/a.bin", b"kept")
+    for head in (
+        b"GET /web/a.bin HTTP/1.1\r\nHost: rebound.example:%d\r\n" % port,
+        b"DELETE /web/a.bin HTTP/1.1\r\nHost: rebound.example\r\n",
+        b"PUT /web/a.bin HTTP/1.1\r\nHost: 127.0.0.1.evil.example\r\nContent-Length: 1\r\n\r\nx",
+        b"GET /web/a.bin HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nOrigin: http://rebound.example\r\n" % port,
+        b"POST /web/ HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: null\r\nContent-Length: 2\r\n\r\n{}",
+    ):
+        assert _exchange(port, head + b"\r\n").startswith(b"HTTP/1.1 421 "), head
+    assert FileStore(root).get("web/a.bin") == b"kept"
+    for host in (b"localhost:%d" % port, b"127.0.0.1", b"[::1]:%d" % port, b"LOCALHOST."):
+        answer = _exchange(port, b"GET /web/a.bin HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host)
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"kept"), host
+
+
+def test_a_client_that_stops_reading_is_dropped(token_server: tuple[str, Path]) -> None:
+    """A GET whose client never reads held the handler, its socket and the open file for good."""
+    base, root = token_server  # --body-timeout 1
+    size = 64 << 20
+    FileStore(root).put("slow/big.bin", bytes(size))
+    with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        s.sendall(b"GET /slow/big.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        time.sleep(4)  # the server's writes block for longer than its body timeout
+        s.settimeout(30)
+        received = 0
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(1 << 20):
+                received += len(chunk)
+    assert received < size  # the connection ended before the body
+
+
 def test_keep_alive_reuses_one_connection(http_server: tuple[str, Path]) -> None:
     base, _ = http_server
     with open_store(base) as store:
@@ -477,7 +532,7 @@ def test_folders_files_and_links_are_4xx_not_tracebacks(
         store.mark_used(["links/file", "links/out/secret.txt", "dir", "dir/file.bin"])  # passed over
         assert (outside / "secret.txt").stat().st_mtime_ns == before
         port = int(base.rsplit(":", 1)[1])
-        head = b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+        head = b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
         for body in (
             b"[",
             b'{"mark_used": "dir/file.bin"}',
@@ -731,6 +786,12 @@ def test_messages_never_show_a_urls_password(redis_url: str) -> None:
     with pytest.raises(InvalidArgumentError) as refused:
         open_store(url + "?socket_timeout=abc")
     assert "not-the-password" not in str(refused.value)
+    assert redact("redis://h/0?db=1&password=pw-2&x=1") == "redis://h/0?db=1&password=***&x=1"
+    assert redact("rediss://h/0?SSL_PASSWORD=pw-3") == "rediss://h/0?SSL_PASSWORD=***"
+    # urllib3 sends no user:password of a URL: an HTTP store refuses them rather than ignore them
+    with pytest.raises(InvalidArgumentError, match="token=") as refused:
+        open_store("http://me:pw-4@127.0.0.1:9/store")
+    assert "pw-4" not in str(refused.value)
 
 
 class _Hostile(http.server.BaseHTTPRequestHandler):
@@ -744,9 +805,24 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
         "/infinite/": b'[{"key": "infinite/a", "size": 1e400, "mtime": 0}]',
     }
     EXISTS = {"/short/": b"[true]", "/text/": b"yes", "/ints/": b"[1, 0]"}  # answers to two keys
+    asked: list[str] = []  # the paths requested, in order
 
     def _answer(self) -> None:
+        self.asked.append(self.path)
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/busy/a.bin":  # urllib3 waited this long before each of two retries
+            self.send_response(503)
+            self.send_header("Retry-After", "3600")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.path.startswith("/big/"):  # 1 MiB, its length declared or not (HTTP/1.0: until close)
+            self.send_response(200)
+            if self.path == "/big/declared.bin":
+                self.send_header("Content-Length", str(1 << 20))
+            self.end_headers()
+            self.wfile.write(bytes(1 << 20))
+            return
         if self.path == "/bomb/a.bin":
             self.send_response(200)
             self.send_header("Content-Encoding", "gzip")
@@ -799,6 +875,14 @@ def test_a_client_takes_no_redirect_or_foreign_listing_for_an_answer() -> None:
             open_store(base, token="a\nb")
         with open_store(f"{base}/bomb") as store:  # the bytes sent, not inflated
             assert store.get("a.bin") == _Hostile.BOMB
+        with open_store(f"{base}/busy") as store, pytest.raises(StoreError, match="503"):
+            _Hostile.asked.clear()
+            store.get("a.bin")  # at once: a reply's Retry-After is not obeyed (no retry on it)
+        assert _Hostile.asked == ["/busy/a.bin"]
+        with open_store(f"{base}/big") as store:
+            for name in ("declared.bin", "undeclared.bin"):
+                with pytest.raises(LimitExceededError):
+                    store.get(name, max_size=1000)
     finally:
         server.shutdown()
         server.server_close()

@@ -599,6 +599,8 @@ class _ChunkReader:
         self.root = root_key(fingerprint, chunk_tokens).hex()
         self.keys, self.candidates = keys, candidates
         self.ranges = chunk_ranges(len(tokens), chunk_tokens)
+        # the most a chunk object can hold: a store's object past it is read no further
+        self.chunk_bound = chunk_tokens * _cell_bound(fingerprint) + _MAX_CHUNK_HEADER + (1 << 20)
         self._stats: dict[str, codec.Stats] = {}
         self.skeleton_ids: set[str] = set()  # named by the chunks fetched so far
         self.bytes_read = 0
@@ -679,7 +681,7 @@ class _ChunkReader:
         orphaned = False
         for level in self.candidates[i] if levels is None else levels:
             try:
-                chunk = self.store.get(_chunk_key(self.keys[i], level))
+                chunk = self.store.get(_chunk_key(self.keys[i], level), max_size=self.chunk_bound)
             except EntryNotFoundError:
                 continue  # evicted since the manifest was written: the next level may be there
             self._count(len(chunk))
@@ -738,13 +740,17 @@ class ChunkMissingError(EntryNotFoundError):
         self.chunk = chunk
 
 
+def _cell_bound(fingerprint: dict[str, Any]) -> int:
+    """An upper bound on one position's K/V bytes: four times any f32 K+V layout of two caches."""
+    return 64 * int(fingerprint.get("n_layer") or 0) * int(fingerprint.get("n_embd") or 0)
+
+
 def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> int:
-    """An upper bound on the skeleton's whole state (a prefix of n_pos positions is cut from it):
-    four times any f32 K+V layout of two caches per position, plus the skeleton's own bytes.
-    Refuses a forged skeleton asking for far more (a 368-byte one asked for 676 MB)."""
-    per_cell = 64 * int(fingerprint.get("n_layer") or 0) * int(fingerprint.get("n_embd") or 0)
+    """An upper bound on the skeleton's whole state (a prefix of n_pos positions is cut from it),
+    plus the skeleton's own bytes. Refuses a forged skeleton asking for far more (a 368-byte one
+    asked for 676 MB)."""
     positions = max(n_pos, int(codec.inspect(skeleton)["positions"][1]))
-    return len(skeleton) + positions * per_cell
+    return len(skeleton) + positions * _cell_bound(fingerprint)
 
 
 def _assemble(

@@ -942,7 +942,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--body-timeout",
         type=_SECONDS,
-        help="seconds an upload may send nothing before it is dropped (default: 60)",
+        help="seconds an upload may send nothing, or a download take nothing, before it is dropped "
+        "(default: 60)",
     )
     p.add_argument("--verbose", action="store_true", help="log every request")
     p.set_defaults(func=_serve)

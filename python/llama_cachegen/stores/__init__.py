@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import AuthenticationError, EntryNotFoundError, InvalidArgumentError
+from ..errors import AuthenticationError, EntryNotFoundError, InvalidArgumentError, LimitExceededError
 
 KEY_ENV = "LLAMA_CACHEGEN_KEY"
 TAG_MAGIC = b"LCGTAG\x00\x01"
@@ -37,6 +37,7 @@ TAG_DOMAIN = b"llama-cachegen object v1\x00"
 TAG_HEADER_SIZE = len(TAG_MAGIC) + hashlib.sha256().digest_size
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_PASSWORD_OPTION = re.compile(r"([?&](?:ssl_)?password=)[^&#]*", re.IGNORECASE)
 _AUTHORITY = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?//([^/?#]*)")
 
 AuthKey = bytes | str | None
@@ -125,10 +126,18 @@ class Store(ABC):
         """The name a tag binds for `key` (the key itself; an HTTP store prefixes its root path)."""
         return key
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_size: int | None = None) -> bytes:
         """The value of `key`; raises EntryNotFoundError when absent, AuthenticationError when a
-        key is configured and the object's tag is missing or wrong."""
-        return unseal(self.auth_key, self.tag_name(key), self._get(check_key(key)))
+        key is configured and the object's tag is missing or wrong, LimitExceededError when the
+        value is over `max_size` bytes (read no further: 2 GiB planted where a 300 KB chunk goes
+        were read whole by every keyed lookup before the tag refused them)."""
+        key = check_key(key)
+        if max_size is None:
+            return unseal(self.auth_key, self.tag_name(key), self._get(key, None))
+        value = unseal(self.auth_key, self.tag_name(key), self._get(key, max_size + TAG_HEADER_SIZE))
+        if len(value) > max_size:  # an untagged value may take the tag's room
+            raise self._over(key, max_size)
+        return value
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Stores `data` under `key` atomically (tagged when a key is configured), replacing any
@@ -136,8 +145,12 @@ class Store(ABC):
         self._put(check_key(key), seal(self.auth_key, self.tag_name(key), data))
 
     @abstractmethod
-    def _get(self, key: str) -> bytes:
-        """The stored bytes of a checked `key`; EntryNotFoundError when absent."""
+    def _get(self, key: str, limit: int | None) -> bytes:
+        """The stored bytes of a checked `key`; EntryNotFoundError when absent, `_over(key, limit)`
+        past `limit` bytes."""
+
+    def _over(self, key: str, limit: int) -> LimitExceededError:
+        return LimitExceededError(f"{key!r} in {self.url} holds more than the {limit} bytes it can")
 
     @abstractmethod
     def _put(self, key: str, data: bytes) -> None:
@@ -235,7 +248,7 @@ def open_store(url: str, *, auth_key: AuthKey = None, token: str | None = None) 
 def redact(url: str | Path) -> str:
     """`url` with the password of its user part as `***`: what messages and logs show of a URL
     (`redis://:secret@host` -> `redis://:***@host`). Never raises, even on a malformed URL."""
-    url = str(url)
+    url = _PASSWORD_OPTION.sub(r"\1***", str(url))  # redis-py takes ?password= too
     match = _AUTHORITY.match(url)
     if match is None or "@" not in match.group(2):
         return url

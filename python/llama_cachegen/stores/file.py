@@ -231,12 +231,15 @@ class FileStore(Store):
             raise EntryNotFoundError(f"{key!r} in {self.url} is a folder or a special file, not an entry")
         return open(fd, "rb")
 
-    def _get(self, key: str) -> bytes:
+    def _get(self, key: str, limit: int | None) -> bytes:
         with self.open(key) as f:
             try:
-                return f.read()
+                data = f.read() if limit is None else f.read(limit + 1)
             except OSError as exc:
                 raise self._failure("read", key, exc) from exc
+        if limit is not None and len(data) > limit:
+            raise self._over(key, limit)
+        return data
 
     def begin_write(self, key: str) -> PendingWrite:
         """A PendingWrite for `key` (folders created as needed); StoreError when a folder of the

@@ -89,6 +89,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _loopback_name(host: str) -> bool:
+    """True when a request's Host header (a name or address, with or without a port) is loopback."""
+    try:
+        name = urllib.parse.urlsplit("//" + host).hostname or ""
+    except ValueError:  # an unbalanced bracket
+        return False
+    return is_loopback(name.rstrip("."))
+
+
 def bearer_ok(header: str | None, token: str) -> bool:
     """True when an Authorization header carries `token` (constant-time comparison)."""
     scheme, _, given = (header or "").partition(" ")
@@ -161,6 +170,8 @@ class HttpStore(Store):
     ) -> None:
         super().__init__(auth_key=auth_key)
         parts = urllib.parse.urlsplit(url)
+        if "@" in parts.netloc:  # urllib3 never sends a URL's user:password: they went unused
+            raise InvalidArgumentError(f"{redact(url)}: no credentials in an HTTP store's URL; use token=")
         self.url = redact(url.rstrip("/"))  # for messages; requests go to _base
         self._base = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
         self._root = "/".join(s for s in parts.path.split("/") if s)  # a key prefix on the server
@@ -177,7 +188,9 @@ class HttpStore(Store):
         self._pool = urllib3.PoolManager(
             maxsize=4,
             timeout=urllib3.Timeout(connect=connect_timeout, read=timeout),
-            retries=_Retry(total=2, redirect=False, raise_on_status=False),
+            # a reply's Retry-After is not obeyed: urllib3 waits up to 6 hours per retry, past any
+            # timeout and cancel() (a 503 with Retry-After: 10 held a get for 20 s)
+            retries=_Retry(total=2, redirect=False, raise_on_status=False, respect_retry_after_header=False),
         )
 
     def tag_name(self, key: str) -> str:
@@ -226,7 +239,7 @@ class HttpStore(Store):
             )
         return response
 
-    def _get(self, key: str) -> bytes:
+    def _get(self, key: str, limit: int | None) -> bytes:
         reader = getattr(self._local, "reader", None)
         if reader is None:
             reader = self._local.reader = _Reader()
@@ -241,10 +254,18 @@ class HttpStore(Store):
             if reader.cancelled:
                 response.shutdown()
                 raise StoreError(f"HTTP GET {self._url(key)}: the read was cancelled")
-            pieces = []
+            declared = response.headers.get("Content-Length", "")
+            if limit is not None and declared.isdigit() and int(declared) > limit:
+                response.shutdown()
+                raise self._over(key, limit)
+            pieces, size = [], 0
             while piece := response.read1(_READ_PIECE):  # what has arrived, up to a piece
                 pieces.append(piece)
                 reader.received += len(piece)
+                size += len(piece)
+                if limit is not None and size > limit:
+                    response.shutdown()
+                    raise self._over(key, limit)
             if reader.cancelled:  # shut down between two pieces: what came is not the whole body
                 raise StoreError(f"HTTP GET {self._url(key)}: the read was cancelled")
             return b"".join(pieces)
@@ -395,6 +416,11 @@ class _Server:
         body declares); None: go on."""
         path = request.path
         listing = path.endswith("/") or not path.strip("/")
+        if self.token is None and (not _loopback_name(request.host) or "Origin" in request.headers):
+            # without a token only this machine's clients are served, and a web page is none: a
+            # name rebound to 127.0.0.1 reaches the port with its own Host, and a cross-site form
+            # POST needs no preflight (both wrote, read and deleted entries)
+            return _closing(421, "without a token only requests to a loopback name, from no web page")
         if request.method not in ("GET", "HEAD", "PUT", "DELETE", "POST"):
             return _text(405, f"method {request.method} not allowed")
         needs_token = self.private or listing or request.method in ("PUT", "DELETE", "POST")
@@ -492,10 +518,16 @@ class _Server:
             await response.prepare(request)
             try:
                 while chunk := await self._run(f.read, _CHUNK):
-                    await response.write(chunk)
+                    # a client that stops reading held the handler, its socket and the open file
+                    # (a deleted object's disk space too) for good
+                    await asyncio.wait_for(response.write(chunk), self.body_timeout)
                 await response.write_eof()
             except ConnectionResetError:  # the client left: one that gives up a fetch does so
                 pass
+            except asyncio.TimeoutError:
+                _log.info("GET %s: the client took nothing for %g s: dropped", key, self.body_timeout)
+                if request.transport is not None:
+                    request.transport.abort()
             return response
         finally:
             f.close()

@@ -95,10 +95,21 @@ class RedisStore(Store):
             # closed by another thread mid-reply: redis-py reads from a closed socket file
             raise StoreError(f"redis {what} on {self.url}: the store was closed") from exc
 
-    def _get(self, key: str) -> bytes:
-        value = self._call("GET", self._redis.get, self._name(key))
+    def _get(self, key: str, limit: int | None) -> bytes:
+        name = self._name(key)
+        if limit is None:
+            value = self._call("GET", self._redis.get, name)
+        else:  # at most limit + 1 bytes come back (GETRANGE of a missing key is empty: EXISTS says)
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.exists(name)
+            pipe.getrange(name, 0, limit)
+            exists, value = self._call("GET", pipe.execute)
+            if not exists:
+                value = None
         if value is None:
             raise EntryNotFoundError(f"{key!r} not in {self.url}")
+        if limit is not None and len(value) > limit:
+            raise self._over(key, limit)
         return bytes(value)
 
     def _put(self, key: str, data: bytes) -> None:
