@@ -306,8 +306,9 @@ LCG_API int lcg_decode_chunks(const void * const * chunks, const size_t * chunk_
                               const lcg_stats * stats, int32_t n_threads, void * state, size_t state_size);
 
 /* Copies the K/V rows of positions [pos_begin, pos_end) from `src` (a llama.cpp state of the same
- * layout holding those positions, e.g. what llama.cpp computed for a chunk sent as text) into
- * `state`. */
+ * layout holding those positions of one sequence, e.g. what llama.cpp computed for a chunk sent as
+ * text; positions outside the range may be missing, as a sliding-window cache reuses their cells)
+ * into `state` (positions 0..n-1 of one sequence). */
 LCG_API int lcg_splice(void * state, size_t state_size, const void * src, size_t src_size,
                        uint32_t pos_begin, uint32_t pos_end);
 

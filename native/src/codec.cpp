@@ -663,13 +663,15 @@ void splice(uint8_t * state, size_t state_size, const uint8_t * src, size_t src_
             uint32_t pos_end) {
     const ParsedState dst_st = parse_state(state, state_size, LCG_KIND_AUTO);
     const ParsedState src_st = parse_state(src, src_size, LCG_KIND_AUTO);
-    const uint32_t n_dst = chunkable_positions(dst_st), n_src = chunkable_positions(src_st);
-    LCG_CHECK(pos_begin < pos_end && pos_end <= n_dst && pos_end <= n_src, LCG_ERR_INVALID_ARGUMENT,
-              "positions %u..%u: the state holds %u, the source %u", pos_begin, pos_end, n_dst, n_src);
+    const uint32_t n_dst = chunkable_positions(dst_st);
+    LCG_CHECK(pos_begin < pos_end && pos_end <= n_dst, LCG_ERR_INVALID_ARGUMENT,
+              "positions %u..%u: the state holds %u", pos_begin, pos_end, n_dst);
     LCG_CHECK(dst_st.tensors.size() == src_st.tensors.size(), LCG_ERR_UNSUPPORTED_FORMAT,
               "source of %zu tensors for a state of %zu", src_st.tensors.size(), dst_st.tensors.size());
     const auto dst_rows = rows_of(cell_of_position(dst_st), pos_begin, pos_end);
-    const auto src_rows = rows_of(cell_of_position(src_st), pos_begin, pos_end);
+    // the source holds the range, not necessarily the positions before it: llama.cpp's
+    // sliding-window cache reuses cells of positions out of its window
+    const auto src_rows = cells_of_range(src_st, pos_begin, pos_end);
     for (size_t i = 0; i < dst_st.tensors.size(); i++) {
         const TensorDesc & d = dst_st.tensors[i], & s = src_st.tensors[i];
         same_geometry(s, d, i, "source");

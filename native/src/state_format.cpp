@@ -317,18 +317,16 @@ ParsedState parse_state(const uint8_t * data, size_t size, int32_t kind) {
     return st;
 }
 
-uint32_t chunkable_positions(const ParsedState & st) {
+namespace {
+
+// Every cell of one stream, and of one and the same sequence, in each cache.
+void check_one_sequence(const ParsedState & st) {
     LCG_CHECK(!st.groups.empty(), LCG_ERR_UNSUPPORTED_FORMAT, "the state holds no KV cells");
-    const uint32_t n = static_cast<uint32_t>(st.groups[0].pos.size());
-    for (size_t g = 0; g < st.groups.size(); g++) {
-        const CellGroup & cg = st.groups[g];
+    for (const CellGroup & cg : st.groups) {
         // the chunks are keyed by one sequence's tokens: another stream's cells are another text
         LCG_CHECK(cg.stream == st.groups[0].stream, LCG_ERR_UNSUPPORTED_FORMAT,
                   "streams %u and %u both hold cells (several sequences of a context with kv_unified off): "
                   "the state cannot be cut into token chunks", st.groups[0].stream, cg.stream);
-        LCG_CHECK(cg.pos.size() == n, LCG_ERR_UNSUPPORTED_FORMAT,
-                  "streams hold %u and %zu cells (several sequences, or a sliding-window cache that keeps only "
-                  "recent positions): the state cannot be cut into token chunks", n, cg.pos.size());
         // a cell of another sequence (or shared with one) at a position of the keyed sequence's
         // would be stored as K/V of that sequence's token there (a hole seq_rm left, filled by
         // another sequence's cell, passed the positions check)
@@ -336,6 +334,18 @@ uint32_t chunkable_positions(const ParsedState & st) {
                   LCG_ERR_UNSUPPORTED_FORMAT,
                   "the cells belong to several sequences, or are shared between them: the state cannot be cut "
                   "into one sequence's token chunks");
+    }
+}
+
+} // namespace
+
+uint32_t chunkable_positions(const ParsedState & st) {
+    check_one_sequence(st);
+    const uint32_t n = static_cast<uint32_t>(st.groups[0].pos.size());
+    for (const CellGroup & cg : st.groups) {
+        LCG_CHECK(cg.pos.size() == n, LCG_ERR_UNSUPPORTED_FORMAT,
+                  "streams hold %u and %zu cells (several sequences, or a sliding-window cache that keeps only "
+                  "recent positions): the state cannot be cut into token chunks", n, cg.pos.size());
         std::vector<uint8_t> seen(n, 0);
         for (int32_t p : cg.pos) {
             LCG_CHECK(p >= 0 && static_cast<uint32_t>(p) < n && !seen[p], LCG_ERR_UNSUPPORTED_FORMAT,
@@ -354,6 +364,30 @@ std::vector<std::vector<uint32_t>> cell_of_position(const ParsedState & st) {
         out[g].resize(pos.size());
         for (uint32_t i = 0; i < pos.size(); i++) {
             out[g][static_cast<uint32_t>(pos[i])] = i;
+        }
+    }
+    return out;
+}
+
+std::vector<std::vector<uint32_t>> cells_of_range(const ParsedState & st, uint32_t pos_begin, uint32_t pos_end) {
+    check_one_sequence(st);
+    const uint32_t none = UINT32_MAX;
+    std::vector<std::vector<uint32_t>> out(st.groups.size());
+    for (size_t g = 0; g < st.groups.size(); g++) {
+        const std::vector<int32_t> & pos = st.groups[g].pos;
+        out[g].assign(pos_end - pos_begin, none);
+        for (uint32_t i = 0; i < pos.size(); i++) {
+            if (pos[i] < 0 || static_cast<uint32_t>(pos[i]) < pos_begin || static_cast<uint32_t>(pos[i]) >= pos_end) {
+                continue;
+            }
+            uint32_t & cell = out[g][static_cast<uint32_t>(pos[i]) - pos_begin];
+            LCG_CHECK(cell == none, LCG_ERR_UNSUPPORTED_FORMAT, "a stream holds position %d twice", pos[i]);
+            cell = i;
+        }
+        for (uint32_t k = 0; k < pos_end - pos_begin; k++) {
+            LCG_CHECK(out[g][k] != none, LCG_ERR_UNSUPPORTED_FORMAT,
+                      "a stream of %zu cells lacks position %u of positions %u..%u", pos.size(), pos_begin + k,
+                      pos_begin, pos_end - 1);
         }
     }
     return out;

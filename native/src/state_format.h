@@ -92,4 +92,12 @@ std::vector<uint8_t> prefix_state(const uint8_t * data, size_t size, const Parse
 // Per stream (cell group) of a chunkable state: the state's cell index holding each position.
 std::vector<std::vector<uint32_t>> cell_of_position(const ParsedState & st);
 
+// Per stream (cell group): the cell index holding each position of [pos_begin, pos_end), in a
+// state whose streams need hold only that range of one sequence: llama.cpp lets a sliding-window
+// cache reuse the cells of positions out of its window (after a restored state reaches the window,
+// the next positions computed take them), so it no longer holds positions 0..n-1. Throws
+// LCG_ERR_UNSUPPORTED_FORMAT when a stream lacks a position of the range or holds one twice, or the
+// cells are of several sequences or streams.
+std::vector<std::vector<uint32_t>> cells_of_range(const ParsedState & st, uint32_t pos_begin, uint32_t pos_end);
+
 } // namespace lcg
