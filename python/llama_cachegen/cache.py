@@ -404,7 +404,10 @@ class CompressedStateCache(BaseLlamaCache):
         state = bytes(value.llama_state[: value.llama_state_size])
         info = codec.inspect_state(state, "full_buffer")
         if not info["chunkable"] or info["positions"] != (0, n):
-            return  # several sequences (or a state the tokens do not describe): nothing to share
+            # several sequences, a state the tokens do not describe, or a sliding cache whose
+            # cells out of the window llama.cpp gave to later positions (after a hit past the
+            # window: README): nothing to share
+            return
         meta = StateMeta(
             fingerprint, "all", None, len(value.input_ids), np.asarray(value.input_ids[:n], np.intc)
         )
