@@ -28,7 +28,7 @@ from llama_cachegen.errors import (
 )
 from llama_cachegen.stores import KEY_ENV, TAG_MAGIC, Store, open_store, read_url, write_url
 from llama_cachegen.stores.file import FileStore
-from llama_cachegen.stores.http import MAX_POST_BODY, TOKEN_ENV
+from llama_cachegen.stores.http import MAX_POST_BODY, TOKEN_ENV, HttpStore
 
 
 @pytest.fixture(params=["file", "redis", "http"])
@@ -132,7 +132,6 @@ print("done", flush=True)
 def test_a_server_that_stops_answering_is_asked_once() -> None:
     """A read timeout is not retried (the server took the request and stayed silent for the whole
     timeout); a frozen store held a load three timeouts long."""
-    from llama_cachegen.stores.http import HttpStore
 
     with socket.create_server(("127.0.0.1", 0)) as wedged:  # accepts, reads, never answers
         wedged.settimeout(5.0)
@@ -816,6 +815,16 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
+        if self.path == "/drip/a.bin":  # 100 bytes, one every 0.2 s: each read is within the timeout
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            with contextlib.suppress(OSError):  # the client gave up
+                for _ in range(100):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            return
         if self.path.startswith("/big/"):  # 1 MiB, its length declared or not (HTTP/1.0: until close)
             self.send_response(200)
             if self.path == "/big/declared.bin":
@@ -879,6 +888,10 @@ def test_a_client_takes_no_redirect_or_foreign_listing_for_an_answer() -> None:
             _Hostile.asked.clear()
             store.get("a.bin")  # at once: a reply's Retry-After is not obeyed (no retry on it)
         assert _Hostile.asked == ["/busy/a.bin"]
+        store = HttpStore(f"{base}/drip", auth_key="", timeout=1.0)
+        with pytest.raises(StoreError, match="bytes/s past the 1 s timeout"):
+            store.get("a.bin")  # not after the 20 s the body lasts
+        store.close()
         with open_store(f"{base}/big") as store:
             for name in ("declared.bin", "undeclared.bin"):
                 with pytest.raises(LimitExceededError):

@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import threading
+import time
 import urllib.parse
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -55,6 +56,10 @@ SWEEP_EVERY_S = 600.0  # how often the server removes the temporaries of uploads
 _CHUNK = 1 << 20
 _log = logging.getLogger("llama_cachegen.serve")
 _READ_PIECE = 1 << 18  # the most a client's read takes at once (it counts its progress per read)
+# bytes/s a reply's body must average past the read timeout: the timeout bounds each read only,
+# and a server sending a byte every 2 s held a get (a prompt cache's completion) for as long as
+# its body lasted
+_MIN_BODY_RATE = 4 << 10
 
 
 def load_token(token_file: str | Path | None = None) -> str | None:
@@ -173,6 +178,7 @@ class HttpStore(Store):
         if "@" in parts.netloc:  # urllib3 never sends a URL's user:password: they went unused
             raise InvalidArgumentError(f"{redact(url)}: no credentials in an HTTP store's URL; use token=")
         self.url = redact(url.rstrip("/"))  # for messages; requests go to _base
+        self._timeout = timeout
         self._base = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
         self._root = "/".join(s for s in parts.path.split("/") if s)  # a key prefix on the server
         token = os.environ.get(TOKEN_ENV, "").strip() if token is None else token
@@ -248,6 +254,7 @@ class HttpStore(Store):
         reader.cancelled = reader.stopped
         if reader.stopped:
             raise StoreError(f"HTTP GET {self._url(key)}: reads on this thread were cancelled")
+        began = time.monotonic()
         response = self._request("GET", key, preload=False)
         reader.response = response
         try:
@@ -266,6 +273,13 @@ class HttpStore(Store):
                 if limit is not None and size > limit:
                     response.shutdown()
                     raise self._over(key, limit)
+                late = time.monotonic() - began - self._timeout
+                if late > 0 and size < late * _MIN_BODY_RATE:
+                    response.shutdown()
+                    raise StoreError(
+                        f"HTTP GET {self._url(key)}: {size} bytes in {late + self._timeout:.0f} s, "
+                        f"under {_MIN_BODY_RATE} bytes/s past the {self._timeout:g} s timeout"
+                    )
             if reader.cancelled:  # shut down between two pieces: what came is not the whole body
                 raise StoreError(f"HTTP GET {self._url(key)}: the read was cancelled")
             return b"".join(pieces)
