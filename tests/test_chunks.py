@@ -356,6 +356,7 @@ def test_bad_chunks_are_refused_and_leave_the_context(saved_small: dict[str, Any
     store.put(key[2], good)
     os.truncate(saved_small["url"].parent / key[2], 1 << 30)  # more than a chunk can hold: not read
     _refused(target, load, LimitExceededError, "more than")
+    assert not store.exists(key[2])  # no chunk is that large: removed, or every load would read it
     flipped = bytearray(good)
     flipped[len(flipped) * 3 // 4] ^= 0x10
     store.put(key[2], bytes(flipped))

@@ -805,13 +805,14 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
     }
     EXISTS = {"/short/": b"[true]", "/text/": b"yes", "/ints/": b"[1, 0]"}  # answers to two keys
     asked: list[str] = []  # the paths requested, in order
+    sent: dict[str, int] = {}  # body bytes written per path
 
     def _answer(self) -> None:
         self.asked.append(self.path)
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.path == "/busy/a.bin":  # urllib3 waited this long before each of two retries
             self.send_response(503)
-            self.send_header("Retry-After", "3600")
+            self.send_header("Retry-After", "5")
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
@@ -825,12 +826,20 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
                     self.wfile.flush()
                     time.sleep(0.2)
             return
-        if self.path.startswith("/big/"):  # 1 MiB, its length declared or not (HTTP/1.0: until close)
+        if self.path == "/big/declared.bin":
             self.send_response(200)
-            if self.path == "/big/declared.bin":
-                self.send_header("Content-Length", str(1 << 20))
+            self.send_header("Content-Length", str(1 << 20))
             self.end_headers()
             self.wfile.write(bytes(1 << 20))
+            return
+        if self.path == "/big/undeclared.bin":  # 256 MiB until close (HTTP/1.0), unless the client leaves
+            self.send_response(200)
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(4096):
+                    self.wfile.write(bytes(1 << 16))
+                    self.sent[self.path] = self.sent.get(self.path, 0) + (1 << 16)
+            self.sent[self.path + " done"] = 1
             return
         if self.path == "/bomb/a.bin":
             self.send_response(200)
@@ -896,6 +905,11 @@ def test_a_client_takes_no_redirect_or_foreign_listing_for_an_answer() -> None:
             for name in ("declared.bin", "undeclared.bin"):
                 with pytest.raises(LimitExceededError):
                     store.get(name, max_size=1000)
+        deadline = time.monotonic() + 60
+        while "/big/undeclared.bin done" not in _Hostile.sent:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert _Hostile.sent["/big/undeclared.bin"] < 64 << 20  # the reader stopped, not read it all
     finally:
         server.shutdown()
         server.server_close()

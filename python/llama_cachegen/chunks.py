@@ -22,6 +22,7 @@ compares them, and refuses anything that does not match before the context is to
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -45,6 +46,7 @@ from .errors import (
     CorruptDataError,
     EntryNotFoundError,
     InvalidArgumentError,
+    LimitExceededError,
     ModelMismatchError,
     StoreError,
     UnsupportedFormatError,
@@ -639,7 +641,7 @@ class _ChunkReader:
     def _remove(self, key: str, data: bytes) -> bool:
         """Deletes `key` if the store still holds `data` there; False when it did not."""
         try:
-            return self.store.get(key) == data and self.store.delete(key)
+            return self.store.get(key, max_size=len(data)) == data and self.store.delete(key)
         except CacheGenError:
             return False  # gone meanwhile, or this reader may not delete: leave it
 
@@ -684,6 +686,10 @@ class _ChunkReader:
                 chunk = self.store.get(_chunk_key(self.keys[i], level), max_size=self.chunk_bound)
             except EntryNotFoundError:
                 continue  # evicted since the manifest was written: the next level may be there
+            except LimitExceededError as exc:  # no chunk is that large: removed, as a damaged one is
+                with contextlib.suppress(CacheGenError):
+                    self.store.delete(_chunk_key(self.keys[i], level))
+                raise exc
             self._count(len(chunk))
             try:
                 meta = self._check(i, level, chunk)

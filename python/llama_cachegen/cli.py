@@ -735,7 +735,7 @@ def _load(args: argparse.Namespace) -> int:
             level=args.level,
             threads=args.threads,
             progress=progress,
-            manifest=data if is_manifest(data) else None,
+            manifest=data,  # a whole container too: read once, and counted once in the SLO
         )
     finally:
         bar.close()
@@ -947,8 +947,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--body-timeout",
         type=_SECONDS,
-        help="seconds an upload may send nothing, or a download take nothing, before it is dropped "
-        "(default: 60)",
+        help="seconds an upload may send nothing, or a reply's write to a client may stall, before "
+        "the connection is dropped (default: 60)",
     )
     p.add_argument("--verbose", action="store_true", help="log every request")
     p.set_defaults(func=_serve)

@@ -905,6 +905,11 @@ class _Loader:
         if job.done.is_set() and job.error is None:
             return
         ident = job.thread.ident or 0
+        if not job.done.is_set():
+            # ended, so that the link is free and a body that would complete is not counted
+            # twice (here and by the reader); only in flight: its thread lives while cv is held,
+            # and an ended thread's id may already be a new fetch's (Python reuses them at once)
+            self.store.cancel(ident)
         got = max(0, (self.store.received(ident) or 0) - self.reader.bytes_of(ident))
         self.dropped_bytes += got
         self.records[job.index].bytes += got
@@ -1156,13 +1161,8 @@ class _Loader:
                 self._feed()
                 complete = all(self.done)
                 now = time.perf_counter()
-                if complete and (
-                    not self.adapt
-                    or now >= self._latest()
-                    or not self.jobs
-                    and not self._recomputable(now)
-                    and not self._upgrade_waits(now)
-                ):
+                idle = not self.jobs and not self._recomputable(now) and not self._upgrade_waits(now)
+                if complete and (not self.adapt or now >= self._latest() or idle):
                     return  # an upgrade still out when time is up is dropped
                 action = self._next_action(now)
                 if action is None and complete:
@@ -1200,7 +1200,6 @@ class _Loader:
                 job = self.jobs.pop(i, None)
                 if job is not None:  # won the race against a fetch of the chunk: the link is freed
                     self._abandon(job)
-                    self.store.cancel(job.thread.ident or 0)
                     if self.retry is job:
                         self.retry = None
                     self.records[i].fetch_ms = job.seconds * 1e3

@@ -254,8 +254,8 @@ class HttpStore(Store):
         reader.cancelled = reader.stopped
         if reader.stopped:
             raise StoreError(f"HTTP GET {self._url(key)}: reads on this thread were cancelled")
-        began = time.monotonic()
         response = self._request("GET", key, preload=False)
+        began = time.monotonic()  # the body's clock: the headers had their own timeout (and retries)
         reader.response = response
         try:
             if reader.cancelled:
@@ -535,7 +535,7 @@ class _Server:
                     # a client that stops reading held the handler, its socket and the open file
                     # (a deleted object's disk space too) for good
                     await asyncio.wait_for(response.write(chunk), self.body_timeout)
-                await response.write_eof()
+                await asyncio.wait_for(response.write_eof(), self.body_timeout)  # it drains too
             except ConnectionResetError:  # the client left: one that gives up a fetch does so
                 pass
             except asyncio.TimeoutError:
