@@ -686,10 +686,10 @@ class _ChunkReader:
                 chunk = self.store.get(_chunk_key(self.keys[i], level), max_size=self.chunk_bound)
             except EntryNotFoundError:
                 continue  # evicted since the manifest was written: the next level may be there
-            except LimitExceededError as exc:  # no chunk is that large: removed, as a damaged one is
+            except LimitExceededError:  # no chunk is that large: removed, as a damaged one is
                 with contextlib.suppress(CacheGenError):
                     self.store.delete(_chunk_key(self.keys[i], level))
-                raise exc
+                raise
             self._count(len(chunk))
             try:
                 meta = self._check(i, level, chunk)
