@@ -132,10 +132,9 @@ class Store(ABC):
         value is over `max_size` bytes (read no further: 2 GiB planted where a 300 KB chunk goes
         were read whole by every keyed lookup before the tag refused them)."""
         key = check_key(key)
-        if max_size is None:
-            return unseal(self.auth_key, self.tag_name(key), self._get(key, None))
-        value = unseal(self.auth_key, self.tag_name(key), self._get(key, max_size + TAG_HEADER_SIZE))
-        if len(value) > max_size:  # an untagged value may take the tag's room
+        limit = None if max_size is None else max_size + TAG_HEADER_SIZE
+        value = unseal(self.auth_key, self.tag_name(key), self._get(key, limit))
+        if max_size is not None and len(value) > max_size:  # an untagged value may take the tag's room
             raise self._over(key, max_size)
         return value
 
