@@ -289,7 +289,7 @@ def _planner(plan: list[str | None], slo_s: float, mbps: float) -> stream._Loade
     loader.levels = [list(_SIZES)] * n
     loader.plan, loader.done = list(plan), [p is not None for p in plan]
     loader.jobs, loader.kept, loader.computing, loader.current = {}, set(), None, None
-    loader.adapt, loader.both, loader.cpu_free = False, False, 0.0
+    loader.adapt, loader.both, loader.cpu_free = True, False, 0.0  # an SLO: adaptive
     loader.kl, loader.decode_s_per_byte, loader.state = _KL3, {}, None
     loader.oracle = lambda nbytes: nbytes * 8 / (mbps * 1e6)
     loader.slo_s, loader.t0 = slo_s, time.perf_counter()
@@ -631,6 +631,47 @@ def test_a_level_gone_from_the_store_is_fetched_at_the_next_level_stored(
     report = stream.load_streaming(loader, url)
     assert [rec.level for rec in report.records] == ["lossless"] * 2 + ["compact"] + ["lossless"] * 2
     assert report.text_chunks == [] and report.fallback is None and loader.n_tokens == N
+
+
+def test_a_failed_fetch_is_fetched_again_before_any_other(
+    file_saved: tuple[str, list[str]],
+    loader: Llama,
+    original: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The assembly can take a failed fetch before the fetch's thread reports it (_fetched): the
+    link looked free and the next chunk's fetch started beside the retry; once the retry failed
+    too, that fetch was given up still in flight, and a load without an SLO failed an assertion
+    on it (CI at 19f88ea, tiny gpt-oss, one run in hundreds). The order is forced here: a failed
+    fetch reports 0.3 s late, chunk 1 fails every time, and the chunks after it read slowly."""
+    from llama_cachegen.stores.file import FileStore
+
+    url, lossless = file_saved
+    keys = [key.rsplit("/", 1)[0] + "/" for key in lossless]
+    asked: list[int] = []
+    get, fetched = FileStore._get, stream._Loader._fetched
+
+    def slow_after_one(self: FileStore, key: str, limit: int | None) -> bytes:
+        index = next((i for i, k in enumerate(keys) if key.startswith(k)), None)
+        if index is not None:
+            asked.append(index)
+            if index == 1:
+                raise StoreError(f"timed out reading {key!r}")
+            if index > 1:
+                time.sleep(1.0)
+        return get(self, key, limit)
+
+    def reported_late(self: stream._Loader, job: Any) -> None:
+        if job.error is not None:
+            time.sleep(0.3)
+        fetched(self, job)
+
+    monkeypatch.setattr(FileStore, "_get", slow_after_one)
+    monkeypatch.setattr(stream._Loader, "_fetched", reported_late)
+    report = stream.load_streaming(loader, url)
+    assert asked == [0, 1, 1]
+    assert report.text_chunks == list(range(1, len(keys))) and report.fallback is not None
+    _continues(loader, original)
 
 
 def test_a_chunk_damaged_where_it_is_stored_is_removed_by_a_streaming_load(

@@ -521,7 +521,6 @@ class _Loader:
         self.done = [False] * n  # in the buffer
         self.jobs: dict[int, _Job] = {}  # started, not yet taken by the assembly
         self.current: _Job | None = None  # the job holding the link (done or not)
-        self.retry: _Job | None = None  # a failed fetch waiting for the assembly to fetch it again
         self.cv = threading.Condition()
         self.failures: list[str] = []
         self.fallback: str | None = None
@@ -792,7 +791,7 @@ class _Loader:
         """Starts the next fetch if the link is free (holds cv): the front's chunk in order (up to
         _LOOKAHEAD ahead of the assembly), or with the CPU computing from the front, the last;
         with nothing left to decide, the chunk the CPU computes when a fetch of it serves better."""
-        if self.state is None or self.finished or self.fallback is not None or self.retry is not None:
+        if self.state is None or self.finished or self.fallback is not None or self._failure_untaken():
             return
         if self._link_busy() and not (self.adapt and self._abort_late(time.perf_counter())):
             return
@@ -821,6 +820,14 @@ class _Loader:
         rec = self.records[j]
         rec.level, rec.reason, rec.mbps = level, reason, self._mbps()
         self._start(j, level, now)
+
+    def _failure_untaken(self) -> bool:
+        """A fetch of a chunk not in the buffer failed and the assembly has not taken it: it
+        decides first whether the chunk is fetched again (_take). Told by the job itself, not by
+        its thread's report (_fetched): the assembly may see a job end before that report."""
+        return any(
+            j.done.is_set() and j.error is not None and not self.done[j.index] for j in self.jobs.values()
+        )
 
     def _race_computing(self, now: float) -> None:
         """The link, free with every chunk decided, fetches the chunk the CPU is computing when
@@ -928,7 +935,7 @@ class _Loader:
         there) whose fetch at a better level gains the most KL per byte and is due by _latest
         (the latest chunk among equals); none being fetched again, nor one that the CPU computes
         or will compute again."""
-        if not self._estimated():
+        if not self.adapt or not self._estimated():  # (a load without an SLO upgrades nothing)
             return None
         latest, link_free = self._latest(), self._link_end(now)  # (a fetch given up may hold the link)
         best: tuple[float, int, str] | None = None
@@ -1064,10 +1071,8 @@ class _Loader:
                 if job.error is not None and self.done[job.index]:  # an upgrade: the chunk stays
                     self._upgrade_failed(job)
                     self._feed()
-                elif job.error is not None:
-                    self.retry = job
-                else:
-                    self._feed()
+                elif job.error is None:
+                    self._feed()  # (a failure waits for the assembly: _failure_untaken)
             self.cv.notify_all()
 
     # -- the assembly --
@@ -1169,7 +1174,7 @@ class _Loader:
                     self.cv.wait(max(0.0, min(self._wait_s(now), self._latest() - now)))
                     continue
                 if action is None:
-                    if self.current is None and not self.jobs and self.retry is None:
+                    if self.current is None and not self.jobs:
                         # Nothing in flight: no fetch will wake this thread, and waiting changes
                         # nothing but the clock. The front chunk is computed instead.
                         if not self.text_ok:
@@ -1200,8 +1205,6 @@ class _Loader:
                 job = self.jobs.pop(i, None)
                 if job is not None:  # won the race against a fetch of the chunk: the link is freed
                     self._abandon(job)
-                    if self.retry is job:
-                        self.retry = None
                     self.records[i].fetch_ms = job.seconds * 1e3
                     self._claim(i, "raced")
                 self.done[i] = True
@@ -1241,8 +1244,6 @@ class _Loader:
         else:
             self._fail(i, job.level, error, "could not be fetched")
         with self.cv:
-            if self.retry is job:
-                self.retry = None
             others = tuple(lv for lv in self.levels[i] if lv != job.level)
             if isinstance(error, chunks.ChunkMissingError) and others:
                 # that level is gone (evicted, or removed as damaged): the chunk is planned again
