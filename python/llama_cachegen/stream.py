@@ -998,17 +998,19 @@ class _Loader:
         again by _latest (exact K/V, as text; with the read-back that splices each into the
         buffer): from the first chunk that is not exact on, each with every chunk before it
         exact, none whose fetch (an upgrade) is in flight, and only once every chunk is in the
-        buffer (but the one the CPU computes), and none the link would bring at its best level
-        sooner (the link upgrading from the last chunk back, the CPU from the first on: they meet
-        where their speeds put them, not wherever the CPU could still end by _latest). A model with a
-        recurrent state, whose context cannot be restored for a prefix, only where the context
-        holds the chunks before them."""
+        buffer (but the one the CPU computes, and one arrived, taken next: else a link freed while
+        the CPU computes, with an arrived chunk not yet decoded, took the CPU's next chunk for an
+        upgrade), and none the link would bring at its best level sooner (the link upgrading from
+        the last chunk back, the CPU from the first on: they meet where their speeds put them, not
+        wherever the CPU could still end by _latest). A model with a recurrent state, whose
+        context cannot be restored for a prefix, only where the context holds the chunks before
+        them."""
         busy = self.computing
         if not (
             self.adapt and self.both and self.speed and self.state is not None and not self.recompute_failed
         ):
             return []
-        if not all(d or i == busy for i, d in enumerate(self.done)):
+        if not all(d or i == busy or self._arrived(i) for i, d in enumerate(self.done)):
             return []
         k = next((i for i, lv in enumerate(self.plan) if lv not in (TEXT, "lossless") and i != busy), None)
         held = self.held if busy is None else self.ranges[busy][1]
@@ -1477,6 +1479,11 @@ class _Loader:
         if noted:
             raise KeyboardInterrupt
 
+    def _arrived(self, i: int) -> bool:
+        """Whether a fetch of chunk i has arrived whole, for the assembly to take."""
+        job = self.jobs.get(i)
+        return job is not None and job.done.is_set() and job.error is None
+
     def _fetch_arrived(self, _data: Any) -> bool:
         """On llama.cpp's thread, with the GIL: what _compute's loop takes as an arrival (whatever
         stops the call, the loop sees it next, or computes the piece again), or an interrupt
@@ -1484,8 +1491,7 @@ class _Loader:
         if self.interrupted():
             return True
         i = self.computing
-        job = None if i is None else self.jobs.get(i)
-        return job is not None and job.done.is_set() and job.error is None
+        return i is not None and self._arrived(i)
 
     def _capture(self) -> np.ndarray | None:
         try:
