@@ -235,6 +235,71 @@ def test_a_fetch_stalled_by_a_drop_is_given_up_and_computed(
     _continues(loader, original)
 
 
+def test_a_fetch_that_arrives_while_it_is_given_up_is_kept(
+    relay: tuple[Relay, str], loader: Llama, original: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the link recovers while the loader plans without chunk 2's stalled fetch,
+    and the fetch arrives whole: it was given up all the same (Store.cancel of a read that has
+    ended still succeeds), its verified chunk dropped and computed. It is kept."""
+    r, url = relay
+    best, forced = stream._Loader._best, []
+
+    def recovering(self: stream._Loader, *args: Any, **kwargs: Any) -> Any:
+        # planning without a fetch in flight that holds no plan: _abort_late's "what if given up"
+        stalled = [
+            job for job in self.jobs.values() if self.plan[job.index] is None and not job.done.is_set()
+        ]
+        if self.current is None and stalled and not forced:
+            forced.append(stalled[0].index)
+            r.set_trace(Trace.constant(math.inf))
+            assert stalled[0].done.wait(30)
+        return best(self, *args, **kwargs)
+
+    monkeypatch.setattr(stream._Loader, "_best", recovering)
+    r.switch_after(TWO_CHUNKS, Trace.constant(2000.0))
+    report = stream.load_streaming(loader, url, slo_s=60.0, prior_mbps=FAST)
+    assert forced == [2] and report.records[2].given_up == 0 and report.records[2].level == "lossless"
+    assert report.failures == [] and report.fallback is None
+    _continues(loader, original)
+
+
+def test_a_fetch_that_fails_while_the_cpu_computes_its_chunk_is_reported(
+    file_saved: tuple[str, list[str]],
+    loader: Llama,
+    original: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the SLO the CPU computes the front chunk while the link fetches it (an oracle promising
+    an instant link). Chunk 1's fetch fails while the CPU computes chunk 1: the CPU's chunk is
+    taken, and the failure was missing from the report (one a moment earlier was there)."""
+    from llama_cachegen.stores.file import FileStore
+
+    url, lossless = file_saved
+    get, compute = FileStore._get, stream._Loader._compute
+    computing = threading.Event()
+
+    def failing(self: FileStore, key: str, limit: int | None) -> bytes:
+        if key == lossless[1]:
+            assert computing.wait(30)
+            raise StoreError(f"connection reset reading {key!r}")
+        return get(self, key, limit)
+
+    def computed(self: stream._Loader, i: int, until: float | None = None) -> None:
+        if i == 1:
+            computing.set()
+        compute(self, i, until)
+        job = self.jobs.get(i)
+        if i == 1 and job is not None:
+            assert job.done.wait(30)  # the fetch has failed before the CPU's chunk is taken
+
+    monkeypatch.setattr(FileStore, "_get", failing)
+    monkeypatch.setattr(stream._Loader, "_compute", computed)
+    report = stream.load_streaming(loader, url, slo_s=1.0, oracle=lambda _nbytes: 0.0)
+    assert computing.is_set() and report.records[1].level == stream.TEXT
+    assert any(f.startswith("chunk 1 (lossless) could not be fetched: StoreError") for f in report.failures)
+    _continues(loader, original)
+
+
 def test_past_the_slo_nothing_waits_for_the_link(
     relay: tuple[Relay, str], stores_saved: dict[str, str], loader: Llama, original: dict[str, Any]
 ) -> None:
@@ -683,6 +748,79 @@ def test_a_failed_fetch_is_fetched_again_before_any_other(
     report = stream.load_streaming(loader, url)
     assert asked == [0, 1, 1]
     assert report.text_chunks == list(range(1, len(keys))) and report.fallback is not None
+    _continues(loader, original)
+
+
+def test_a_chunk_that_does_not_decode_is_fetched_again_once_the_link_is_free(
+    file_saved: tuple[str, list[str]],
+    loader: Llama,
+    original: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunk 1 arrives whole and does not decode (its bytes damaged past the fetch's checks): it
+    was fetched again at once, beside chunk 2's fetch begun when chunk 1 arrived (two fetches on
+    one link), and each fetch counted the other's bytes as its own (the records summed to 17 MB
+    of 14 MB read). One fetch at a time; each record holds its own chunk's bytes."""
+    from llama_cachegen import codec
+    from llama_cachegen.stores.file import FileStore
+
+    url, lossless = file_saved
+    sizes = [(Path(url.removeprefix("file://")).parent / key).stat().st_size for key in lossless]
+    in_flight: set[int] = set()
+    peak = [0]
+    get, decode = FileStore._get, codec.decode_chunk
+
+    def slow(self: FileStore, key: str, limit: int | None) -> bytes:
+        index = lossless.index(key) if key in lossless else None
+        if index is None:
+            return get(self, key, limit)
+        in_flight.add(index)
+        peak[0] = max(peak[0], len(in_flight))
+        try:
+            time.sleep(0.2)
+            return get(self, key, limit)
+        finally:
+            in_flight.discard(index)
+
+    decoded: list[int] = []
+
+    def damaged_once(chunk: Any, *args: Any, **kwargs: Any) -> None:
+        decoded.append(0)
+        if len(decoded) == 2:  # chunk 1, the first time
+            raise CorruptDataError("chunk 1's tensor data does not decode")
+        decode(chunk, *args, **kwargs)
+
+    monkeypatch.setattr(FileStore, "_get", slow)
+    monkeypatch.setattr(codec, "decode_chunk", damaged_once)
+    report = stream.load_streaming(loader, url)
+    assert peak[0] == 1 and [rec.retries for rec in report.records] == [0, 1, 0, 0, 0]
+    assert [rec.bytes for rec in report.records[1:]] == [2 * sizes[1], *sizes[2:]]
+    assert report.text_chunks == [] and report.fallback is None
+    _continues(loader, original)
+
+
+def test_a_fetch_taken_before_its_thread_reports_it_still_measures_the_link(
+    file_saved: tuple[str, list[str]],
+    loader: Llama,
+    original: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first chunk's fetch (compact: nothing measured yet) reports late, after the assembly
+    has taken it and freed the link: the next fetches were chosen on no rate, each the smallest
+    level again ("first"), and fetched again better. The link's rate is what the fetch shows."""
+    url, _ = file_saved
+    fetched, late = stream._Loader._fetched, []
+
+    def reported_late(self: stream._Loader, job: Any) -> None:
+        if job.index >= 0 and not late:
+            late.append(job.index)
+            time.sleep(0.5)
+        fetched(self, job)
+
+    monkeypatch.setattr(stream._Loader, "_fetched", reported_late)
+    report = stream.load_streaming(loader, url, slo_s=60.0)
+    assert late and [rec.reason for rec in report.records].count("first") == 1
+    assert all(rec.level == "lossless" for rec in report.records)
     _continues(loader, original)
 
 

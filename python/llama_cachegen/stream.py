@@ -418,6 +418,7 @@ class _Job:
         self.error: BaseException | None = None
         self.bytes = 0
         self.abandoned = False
+        self.sampled = False  # its rate taken by the loader (_sample), once
         self.done = threading.Event()
         self.start = time.perf_counter()
         self.end = 0.0
@@ -428,12 +429,11 @@ class _Job:
 
     def _run(self) -> None:
         self._reader.count_this_thread()
-        before = self._reader.bytes_read
         try:
             self.result = self._fetch()
         except BaseException as exc:  # noqa: BLE001 - handed to the loader's thread
             self.error = exc
-        self.bytes = self._reader.bytes_read - before
+        self.bytes = self._reader.bytes_of(threading.get_ident())  # this fetch's, not another's beside it
         self.end = time.perf_counter()
         self.done.set()
         if self._on_done is not None:
@@ -645,6 +645,11 @@ class _Loader:
         return self.speed.seconds(*self.ranges[i])
 
     def _sample(self, job: _Job) -> None:
+        """The link's rate learns a fetch that ended (once: by its thread's report or by the
+        assembly freeing the link, whichever comes first)."""
+        if job.sampled:
+            return
+        job.sampled = True
         if job.error is None and job.bytes:
             inv = job.seconds / job.bytes
             old = inv if self.ewma_inv is None else self.ewma_inv
@@ -894,7 +899,8 @@ class _Loader:
         free = self._best(self._undecided(), now)
         finish = max(arrival, wait.finish if wait is not None else arrival)
         better = free is not None and (free.feasible or free.finish < finish - _GIVE_UP_GAIN * (finish - now))
-        if not better or not self.store.cancel(job.thread.ident or 0):
+        # (not one that arrived whole while this planned: a verified chunk is not thrown away)
+        if not better or not self.store.cancel(job.thread.ident or 0) or self._arrived(j):
             self.plan[j], self.current, self.ewma_inv = saved
             return False
         del self.jobs[j]
@@ -1054,7 +1060,9 @@ class _Loader:
         job = self.current
         if job is None or not job.done.is_set():
             return job is not None
-        if job.abandoned:  # it finished after all: what it measured still counts
+        # a chunk's fetch counts before the next choice: given up, it finished after all; or the
+        # assembly took it before its thread's report (_fetched), which would plan on no rate
+        if job.index >= 0:  # (the skeleton's is not taken for the link's rate: _choose)
             self._sample(job)
         self.current = None
         return False
@@ -1206,6 +1214,8 @@ class _Loader:
             with self.cv:
                 job = self.jobs.pop(i, None)
                 if job is not None:  # won the race against a fetch of the chunk: the link is freed
+                    if job.done.is_set() and job.error is not None:  # failed meanwhile: reported
+                        self._fail(i, job.level, job.error, "could not be fetched")
                     self._abandon(job)
                     self.records[i].fetch_ms = job.seconds * 1e3
                     self._claim(i, "raced")
@@ -1255,9 +1265,11 @@ class _Loader:
                 self._feed()
                 return
             if isinstance(error, (CacheGenError, OSError)) and not rec.retries:
+                # planned again, fetched once the link is free: a chunk that did not decode
+                # arrived whole, and the next chunk's fetch may have started since
                 rec.retries += 1
-                self._link_busy()
-                self._start(i, job.level, time.perf_counter())
+                self.plan[i] = None
+                self._feed()
                 return
             if not self.text_ok:
                 raise error
