@@ -263,6 +263,52 @@ def test_a_fetch_that_arrives_while_it_is_given_up_is_kept(
     _continues(loader, original)
 
 
+def test_a_fetch_given_up_after_its_body_arrived_is_counted_once(
+    stores_saved: dict[str, str], loader: Llama, original: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the SLO the CPU computes every chunk, racing the fetch of the last (an oracle promising
+    an instant link). That fetch's body has arrived, and its thread counts it only after the CPU
+    won and the load gave the fetch up: the body was in the report twice (given up, and counted
+    by the reader). The report's bytes are what the store sent."""
+    from llama_cachegen.stores.http import HttpStore
+
+    url = stores_saved["http"]
+    last = chunks._chunk_key(chunks.read_manifest(url).chunks[-1].key, "lossless")
+    get, count, abandon = HttpStore._get, chunks._ChunkReader._count, stream._Loader._abandon
+    sent, held, given_up, counted = [0], [0], threading.Event(), threading.Event()
+
+    def measured(self: HttpStore, key: str, limit: int | None) -> bytes:
+        reader = getattr(self._local, "reader", None)
+        before = 0 if reader is None else reader.received
+        try:
+            data = get(self, key, limit)
+        finally:
+            sent[0] += self._local.reader.received - before
+        if key == last and not held[0]:
+            held[0] = threading.get_ident()
+            assert given_up.wait(30)  # the body is in; the CPU wins meanwhile
+        return data
+
+    def counting(self: chunks._ChunkReader, n: int) -> None:
+        count(self, n)
+        if threading.get_ident() == held[0]:
+            counted.set()
+
+    def abandoning(self: stream._Loader, job: Any) -> None:
+        abandon(self, job)
+        if job.thread.ident == held[0] and not given_up.is_set():
+            given_up.set()
+            assert counted.wait(30)  # its thread counts the body before the load goes on
+
+    monkeypatch.setattr(HttpStore, "_get", measured)
+    monkeypatch.setattr(chunks._ChunkReader, "_count", counting)
+    monkeypatch.setattr(stream._Loader, "_abandon", abandoning)
+    report = stream.load_streaming(loader, url, slo_s=1.0, oracle=lambda _nbytes: 0.0)
+    assert given_up.is_set() and report.records[-1].level == stream.TEXT
+    assert report.bytes_read == sent[0]
+    _continues(loader, original)
+
+
 def test_a_fetch_that_fails_while_the_cpu_computes_its_chunk_is_reported(
     file_saved: tuple[str, list[str]],
     loader: Llama,

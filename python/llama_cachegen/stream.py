@@ -416,7 +416,9 @@ class _Job:
         self._on_done = on_done
         self.result: Any = None
         self.error: BaseException | None = None
-        self.bytes = 0
+        self.bytes = 0  # what the reader counted (a whole object read)
+        self.unread = 0  # what a read that failed or was ended received: it took the link too
+        self.uncounted = 0  # of those, in the loader's figures so far (_count_unread)
         self.abandoned = False
         self.sampled = False  # its rate taken by the loader (_sample), once
         self.done = threading.Event()
@@ -433,7 +435,9 @@ class _Job:
             self.result = self._fetch()
         except BaseException as exc:  # noqa: BLE001 - handed to the loader's thread
             self.error = exc
-        self.bytes = self._reader.bytes_of(threading.get_ident())  # this fetch's, not another's beside it
+        ident = threading.get_ident()  # its own: another fetch's may run beside it
+        self.bytes = self._reader.bytes_of(ident)
+        self.unread = max(0, (self._reader.store.received(ident) or 0) - self.bytes)
         self.end = time.perf_counter()
         self.done.set()
         if self._on_done is not None:
@@ -550,7 +554,8 @@ class _Loader:
         self.kept: set[int] = set()  # chunks whose upgrade failed: not tried again
         self.damaged: dict[str, bytes] = {}  # chunk key -> SHA-256 of bytes that failed to decode
         self.recompute_failed = False  # a chunk could not be computed again: none is
-        self.dropped_bytes = 0  # received by fetches given up on (not in reader.bytes_read)
+        self.dropped_bytes = 0  # received by reads that failed or were ended (not in reader.bytes_read)
+        self.ended: list[_Job] = []  # fetches given up in flight
         self.finished = False  # the buffer is complete: nothing more is fetched
 
     # -- estimates --
@@ -911,21 +916,44 @@ class _Loader:
         return True
 
     def _abandon(self, job: _Job) -> None:
-        """A fetch the load no longer wants; what it received before it ended (where the store
-        tells) is counted in its chunk's record and the report: those bytes took the link. A
-        fetch that succeeded is counted by the reader already (one ended by Store.cancel fails)."""
+        """A fetch the load no longer wants, ended if in flight (the link is free, and a body that
+        would complete is not read for nothing). Only in flight: its thread lives while cv is
+        held, and an ended thread's id may already be a new fetch's (Python reuses them at once)."""
         job.abandoned = True
-        if job.done.is_set() and job.error is None:
+        if job.done.is_set():
+            return  # counted by its thread (_fetched)
+        self.store.cancel(job.thread.ident or 0)
+        self.ended.append(job)
+        self._recount(job)
+
+    def _recount(self, job: _Job) -> None:
+        """(holds cv) What a fetch given up in flight has received that the reader did not count:
+        counted at once (its thread may end after the report), and again later (bytes_received),
+        for a body received whole may be counted by the reader meanwhile; final once its thread
+        has ended the read (_Job.unread)."""
+        if job.done.is_set():
+            self._count_unread(job, job.unread)
             return
-        ident = job.thread.ident or 0
-        if not job.done.is_set():
-            # ended, so that the link is free and a body that would complete is not counted
-            # twice (here and by the reader); only in flight: its thread lives while cv is held,
-            # and an ended thread's id may already be a new fetch's (Python reuses them at once)
-            self.store.cancel(ident)
-        got = max(0, (self.store.received(ident) or 0) - self.reader.bytes_of(ident))
-        self.dropped_bytes += got
-        self.records[job.index].bytes += got
+        ident = job.thread.ident or 0  # lives: not done
+        received = self.store.received(ident) or 0  # first: a count in between shows in both
+        self._count_unread(job, max(0, received - self.reader.bytes_of(ident)))
+
+    def bytes_received(self) -> int:
+        """Bytes the load's fetches received: what the reader counted and what reads that failed
+        or were ended received."""
+        with self.cv:
+            for job in self.ended:
+                self._recount(job)
+            return self.reader.bytes_read + self.dropped_bytes
+
+    def _count_unread(self, job: _Job, unread: int) -> None:
+        """(holds cv) `unread`, the latest figure of what a fetch received that the reader did not
+        count, in its chunk's record and the report, replacing the one counted before: those
+        bytes took the link."""
+        delta, job.uncounted = unread - job.uncounted, unread
+        self.dropped_bytes += delta
+        if job.index >= 0:
+            self.records[job.index].bytes += delta
 
     def _upgrade(self, now: float) -> None:
         """The link, free with every chunk decided and no race to run, fetches a chunk that is in
@@ -1076,6 +1104,7 @@ class _Loader:
     def _fetched(self, job: _Job) -> None:
         """On the fetch thread: measure, start the next fetch, wake the assembly."""
         with self.cv:
+            self._count_unread(job, job.unread)  # (final: its read has ended)
             if not job.abandoned:
                 self._sample(job)
                 if job.error is not None and self.done[job.index]:  # an upgrade: the chunk stays
@@ -1753,7 +1782,7 @@ def load_streaming(
     t3 = time.perf_counter()
     records = loader.records
     kl = sum(table.get(r.level, math.nan) * (r.end - r.begin) for r in records) / max(1, int(tokens.size))
-    bytes_read = len(data) + loader.reader.bytes_read + loader.dropped_bytes
+    bytes_read = len(data) + loader.bytes_received()
     state_bytes = 0 if loader.state is None else len(loader.state)
     loader.release()
     return StreamReport(
