@@ -94,8 +94,9 @@ class CompressedStateCache(BaseLlamaCache):
 
     `store` is a store URL (`file://dir`, `redis://…`, `http://…`) or a Store; the default is a
     folder in the llama-cachegen cache directory. Give the cache a store (or folder) of its own:
-    `capacity_bytes` bounds every chunk object in it, partial writes included, and evicts the least
-    recently used first. Chunks hold `chunk_tokens` tokens at `level`.
+    `capacity_bytes` bounds every chunk object in it, partial writes included, once each save has
+    ended (while one runs, its new chunks may be over it), and evicts the least recently used
+    first. Chunks hold `chunk_tokens` tokens at `level`.
 
     The cache must know its model (`model=`, or `llama_cachegen.Llama.set_cache` binds it): the
     fingerprint is part of every key. One cache serves one Llama (a hit replaces that context's
@@ -423,6 +424,7 @@ class CompressedStateCache(BaseLlamaCache):
                 (self.level,),
                 self.threads,
                 full_only=True,
+                evicting=True,
             )
             uploads.finish()
         finally:

@@ -393,6 +393,14 @@ class _Uploads:
         finally:
             self.wait_s += time.perf_counter() - start
 
+    def mark_used(self, keys: list[str]) -> None:
+        """Store.mark_used after the puts before it (best effort, as Store.mark_used is)."""
+        self._pending.append(self._pool.submit(self._mark_used, keys))
+
+    def _mark_used(self, keys: list[str]) -> None:
+        with contextlib.suppress(OSError, CacheGenError):
+            self._store.mark_used(keys)
+
     def finish(self) -> None:
         while self._pending:
             self._wait_one()
@@ -516,9 +524,16 @@ def _save_chunks(
     threads: int | None,
     *,
     full_only: bool = False,
+    evicting: bool = False,
 ) -> tuple[int, dict[str, int]]:
     """Writes the chunks (with `full_only`, only the complete ones), statistics and skeleton the
-    store lacks; chunks already stored are never encoded again."""
+    store lacks; chunks already stored are never encoded again.
+
+    `evicting`: into a store another process may evict from least recently used first (a prompt
+    cache's) while this writes. The chain's chunks stored before are marked used first, the new
+    ones written last first, and the statistics and skeleton marked used after each: an eviction
+    meanwhile takes the chain's tail first and what every chunk names last (written first, they
+    went first, with the chain's first chunks: every chunk written after was of no use)."""
     c = manifest.chunk_tokens
     assert c is not None
     tokens, fingerprint = manifest.meta.tokens, manifest.meta.fingerprint
@@ -536,6 +551,9 @@ def _save_chunks(
         held = store.has_many([_chunk_key(key, level) for key in keys])
         missing = [i for i, there in enumerate(held) if not there]
         present += len(keys) - len(missing)
+        if evicting:
+            uploads.mark_used([_chunk_key(keys[i], level) for i in reversed(range(len(keys))) if held[i]])
+            missing.reverse()
         for i in set(range(len(keys))) - set(missing):
             manifest.chunks[i].sizes[level] = None  # stored by an earlier save: never re-encoded
         manifest.stats[level] = None
@@ -563,6 +581,8 @@ def _save_chunks(
             )
             blob = chunker.chunk(begin, end, stats_id, meta.pack())
             uploads.put(_chunk_key(keys[i], level), blob)
+            if evicting:
+                uploads.mark_used([_stats_key(stats_id.hex()), _skeleton_key(manifest.skeleton)])
             manifest.chunks[i].sizes[level] = len(blob)
             level_bytes[level] += len(blob)
         # its quantized state (half the state's size) is released before the next level's is built
