@@ -286,6 +286,29 @@ def test_eviction_keeps_what_the_kept_chunks_of_an_extended_context_name(
     assert cache[tokens[: 2 * C + 1]].n_tokens == 2 * C
 
 
+def test_a_save_through_chunks_another_process_stored_keeps_what_they_name(tmp_path: Path) -> None:
+    """Another process stored the prompt's first chunks after this one looked it up (no hit to
+    tell what they name): the save marked them used and not their statistics and skeleton, which
+    the next eviction took first, and every hit through those chunks failed (three processes on
+    one store: most of the "names ..., which the store lacks" losses left after the fix above).
+    The save reads them; the chain's tail goes first."""
+    llm = smollm()
+    words = sample_text("gpl-3.0.txt").split()
+    tokens = llm.tokenize(" ".join(words[:80]).encode())[: 4 * C + 3]
+    llm.eval(tokens[: 2 * C + 3])
+    CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)[tokens[: 2 * C + 3]] = (
+        llm.save_state()
+    )
+    llm.eval(tokens[2 * C + 3 :])
+    cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)
+    time.sleep(0.01)
+    cache[tokens] = llm.save_state()
+    assert cache._match(tokens).chunks == 4
+    cache.capacity_bytes = cache.cache_size - 1
+    cache._evict()  # one object goes: the chain's last chunk
+    assert cache[tokens].n_tokens == 3 * C
+
+
 def test_a_damaged_skeleton_keeps_the_chunks_that_name_it(tmp_path: Path) -> None:
     """A prompt of two chunks, then a longer one through them (its own chunks name its own
     skeleton). The first skeleton damaged where it is stored: it goes, and the short prompt misses,

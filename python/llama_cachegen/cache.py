@@ -414,6 +414,15 @@ class CompressedStateCache(BaseLlamaCache):
         )
         manifest = chunks.Manifest(meta, self.chunk_tokens)
         uploads = chunks._Uploads(self.store)
+        named: list[str] = []
+
+        def stored_before(present: list[int]) -> list[str]:
+            named.extend(self._named_by(manifest, present))
+            return [
+                *(chunks._chunk_key(manifest.chunks[i].key, self.level) for i in reversed(present)),
+                *named,
+            ]
+
         try:
             chunks._save_chunks(
                 self.store,
@@ -424,25 +433,42 @@ class CompressedStateCache(BaseLlamaCache):
                 (self.level,),
                 self.threads,
                 full_only=True,
-                evicting=True,
+                evicting=stored_before,
             )
             uploads.finish()
         finally:
             uploads.close()
         # the prompt's whole chain (chunks stored by earlier saves too) is now the most recent, then
         # what its chunks name: the statistics and skeleton this save wrote, and those of chunks
-        # stored before, which a save does not read: the hit llama-cpp-python looked up before
-        # this save named them (marked at that hit, they were older than the chain and went first)
+        # stored before (_named_by; marked before the chain, they were older and went first)
         used = [chunks._chunk_key(e.key, self.level) for e in reversed(manifest.chunks)]
         if manifest.stats.get(self.level):
             used.append(chunks._stats_key(manifest.stats[self.level]))
         assert manifest.skeleton is not None
         used.append(chunks._skeleton_key(manifest.skeleton))
-        held, support = self._hit_support
-        if held.size <= n and np.array_equal(manifest.meta.tokens[: held.size], held):
-            used += support
-        self._mark_used(used)
+        self._mark_used(used + named)
         self._evict()
+
+    def _named_by(self, manifest: chunks.Manifest, present: list[int]) -> list[str]:
+        """The statistics and skeletons that chunks `present` of the chain (stored before this
+        save) name: from the hit llama-cpp-python looked up before the save, where it read them;
+        else read from the chunks (another process stored them since, or the hit failed at one).
+        Best effort: a chunk that cannot be read fails its next hit and is removed then."""
+        held, support = self._hit_support
+        tokens = manifest.meta.tokens
+        read = held.size // self.chunk_tokens if np.array_equal(tokens[: held.size], held) else 0
+        named = list(support) if read else []
+        for i in present:
+            if i < read:
+                continue
+            with contextlib.suppress(CacheGenError, OSError, ValueError):
+                key = chunks._chunk_key(manifest.chunks[i].key, self.level)
+                chunk = self.store.get(
+                    key, max_size=chunks.chunk_bound(manifest.meta.fingerprint, self.chunk_tokens)
+                )
+                meta = chunks.ChunkMeta.unpack(codec.user_meta(chunk))
+                named += [chunks._stats_key(meta.stats_id), chunks._skeleton_key(meta.skeleton_id)]
+        return list(dict.fromkeys(named))
 
     def _holds_worse(self, value: llama_cpp.llama.LlamaState) -> bool:
         """Whether the state holds K/V this library loaded at a level worse than the cache's (or

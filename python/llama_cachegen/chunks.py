@@ -30,7 +30,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -524,16 +524,17 @@ def _save_chunks(
     threads: int | None,
     *,
     full_only: bool = False,
-    evicting: bool = False,
+    evicting: Callable[[list[int]], list[str]] | None = None,
 ) -> tuple[int, dict[str, int]]:
     """Writes the chunks (with `full_only`, only the complete ones), statistics and skeleton the
     store lacks; chunks already stored are never encoded again.
 
     `evicting`: into a store another process may evict from least recently used first (a prompt
-    cache's) while this writes. The chain's chunks stored before are marked used first, the new
-    ones written last first, and the statistics and skeleton marked used after each: an eviction
-    meanwhile takes the chain's tail first and what every chunk names last (written first, they
-    went first, with the chain's first chunks: every chunk written after was of no use)."""
+    cache's) while this writes. What evicting(indices of the chunks stored before) gives is marked
+    used first (those chunks and what they name), the new chunks are written last first, and the
+    statistics and skeleton marked used after each: an eviction meanwhile takes the chain's tail
+    first and what every chunk names last (written first, they went first, with the chain's first
+    chunks: every chunk written after was of no use)."""
     c = manifest.chunk_tokens
     assert c is not None
     tokens, fingerprint = manifest.meta.tokens, manifest.meta.fingerprint
@@ -551,8 +552,8 @@ def _save_chunks(
         held = store.has_many([_chunk_key(key, level) for key in keys])
         missing = [i for i, there in enumerate(held) if not there]
         present += len(keys) - len(missing)
-        if evicting:
-            uploads.mark_used([_chunk_key(keys[i], level) for i in reversed(range(len(keys))) if held[i]])
+        if evicting is not None:
+            uploads.mark_used(evicting([i for i, there in enumerate(held) if there]))
             missing.reverse()
         for i in set(range(len(keys))) - set(missing):
             manifest.chunks[i].sizes[level] = None  # stored by an earlier save: never re-encoded
@@ -581,7 +582,7 @@ def _save_chunks(
             )
             blob = chunker.chunk(begin, end, stats_id, meta.pack())
             uploads.put(_chunk_key(keys[i], level), blob)
-            if evicting:
+            if evicting is not None:
                 uploads.mark_used([_stats_key(stats_id.hex()), _skeleton_key(manifest.skeleton)])
             manifest.chunks[i].sizes[level] = len(blob)
             level_bytes[level] += len(blob)
@@ -621,8 +622,7 @@ class _ChunkReader:
         self.root = root_key(fingerprint, chunk_tokens).hex()
         self.keys, self.candidates = keys, candidates
         self.ranges = chunk_ranges(len(tokens), chunk_tokens)
-        # the most a chunk object can hold: a store's object past it is read no further
-        self.chunk_bound = chunk_tokens * _cell_bound(fingerprint) + _MAX_CHUNK_HEADER + (1 << 20)
+        self.chunk_bound = chunk_bound(fingerprint, chunk_tokens)
         self._stats: dict[str, codec.Stats] = {}
         self.skeleton_ids: set[str] = set()  # named by the chunks fetched so far
         self.bytes_read = 0
@@ -769,6 +769,11 @@ class ChunkMissingError(EntryNotFoundError):
 def _cell_bound(fingerprint: dict[str, Any]) -> int:
     """An upper bound on one position's K/V bytes: four times any f32 K+V layout of two caches."""
     return 64 * int(fingerprint.get("n_layer") or 0) * int(fingerprint.get("n_embd") or 0)
+
+
+def chunk_bound(fingerprint: dict[str, Any], chunk_tokens: int) -> int:
+    """The most a chunk object can hold: a store's object past it is read no further."""
+    return chunk_tokens * _cell_bound(fingerprint) + _MAX_CHUNK_HEADER + (1 << 20)
 
 
 def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> int:
