@@ -839,6 +839,16 @@ class _Loader:
             j.done.is_set() and j.error is not None and not self.done[j.index] for j in self.jobs.values()
         )
 
+    def _failed_elsewhere(self, i: int) -> list[_Job]:
+        """The failed fetches of chunks not in the buffer other than chunk i (the one the CPU
+        computes; a failure of its fetch is taken with the CPU's chunk), for the assembly to take
+        between two pieces of a computation: the link waits for that (_failure_untaken)."""
+        return [
+            j
+            for j in self.jobs.values()
+            if j.index != i and j.done.is_set() and j.error is not None and not self.done[j.index]
+        ]
+
     def _race_computing(self, now: float) -> None:
         """The link, free with every chunk decided, fetches the chunk the CPU is computing when
         that plan is better (_better: within the deadline, the lower KL, the earlier) than the
@@ -1458,6 +1468,8 @@ class _Loader:
                             self.held = b
                         raise _Stopped
                     skeleton = self.skeleton_job
+                    for failed in self._failed_elsewhere(i):
+                        self._take(failed)  # (no decode: the link need not wait for this chunk)
                     self._feed()
                     racing = self.jobs.get(i)
                     # a recurrent model, with a fetch of this chunk in flight: shorter pieces, to
