@@ -150,14 +150,17 @@ def test_kv_loaded_at_a_worse_level_is_not_cached_at_a_better_one(tmp_path: Path
 
 
 def test_a_store_that_fails_never_fails_the_completion(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Redis store nobody listens on: every lookup is a miss and every save is skipped, with a
     warning; the completion is returned as without a cache. After a failure the store is skipped
     for a while (a stalled store waited out its timeout at every lookup and every save: ~10 s per
-    completion), then tried again."""
+    completion), then tried again. The while is an hour here: on a busy machine a completion
+    took longer than the 10 s, and its save tried the store again."""
+    from llama_cachegen import cache as cache_module
     from llama_cachegen.server import free_port
 
+    monkeypatch.setattr(cache_module, "STORE_BACKOFF_S", 3600.0)
     prompt = " ".join(sample_text("gfdl-1.3.txt").split()[:40])
     plain = greedy(smollm(), prompt, 4)
     llm = smollm()
@@ -193,6 +196,33 @@ def test_eviction_keeps_the_byte_capacity_and_is_lru(
     # least recently used first: 1 and 2 go, 0 (hit after them) stays; FIFO would drop 0
     kept = [i for i, s in enumerate(states) if cache._match(_tokens(s)).chunks == 2]
     assert kept == [0, 3, 4]
+
+
+def test_an_eviction_keeps_what_another_process_used_since_its_listing(
+    tmp_path: Path, states: list[llama_cpp.llama.LlamaState], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process hits context 0 between this process's listing and its deletes: the listing
+    had context 0 as the oldest, and it went though it was now the newest. It stays; the next
+    oldest goes."""
+    cache, _entry = _room_for_three_and_a_half(tmp_path, states[0])
+    other = CompressedStateCache(tmp_path / "c", level="lossless", chunk_tokens=C, model=smollm())
+    for s in states[:3]:
+        cache[_tokens(s)] = s
+        time.sleep(0.01)
+    listed, hits = cache.store.list, []
+
+    def stale(prefix: str = "") -> list[Any]:
+        entries = listed(prefix)
+        if not hits:
+            time.sleep(0.01)
+            hits.append(other[_tokens(states[0])].n_tokens)  # marks context 0 used
+        return entries
+
+    monkeypatch.setattr(cache.store, "list", stale)
+    cache[_tokens(states[3])] = states[3]
+    assert hits == [2 * C] and cache.cache_size <= cache.capacity_bytes
+    kept = [i for i, s in enumerate(states[:4]) if cache._match(_tokens(s)).chunks == 2]
+    assert kept == [0, 2, 3]
 
 
 def test_a_cache_smaller_than_a_prompt_keeps_its_first_chunks(

@@ -73,6 +73,35 @@ def test_put_get_list_touch_delete(store: Store) -> None:
         store.get("nothing")
 
 
+def test_a_delete_after_a_listing_keeps_an_entry_used_since(store: Store) -> None:
+    """An evicting process deletes what its listing had as the oldest; another process may have
+    used the entry since (a hit reading it, a save keeping it), and it went. With the listing's
+    mtime, a delete keeps an entry written or used after it."""
+    store.put("a/one.bin", b"first")
+    store.put("a/two.bin", b"second")
+    listed = {e.key: e.mtime for e in store.list("a/")}
+    time.sleep(0.02)
+    store.mark_used(["a/one.bin"])  # another process's use
+    assert not store.delete("a/one.bin", unused_since=listed["a/one.bin"])
+    assert store.get("a/one.bin") == b"first"
+    assert store.delete("a/two.bin", unused_since=listed["a/two.bin"])
+    assert not store.exists("a/two.bin") and not store.delete("a/two.bin", unused_since=listed["a/two.bin"])
+    now = {e.key: e.mtime for e in store.list("a/")}
+    assert now.keys() == {"a/one.bin"} and store.delete("a/one.bin", unused_since=now["a/one.bin"])
+    assert store.list("a/") == []
+
+
+def test_a_delete_condition_the_server_cannot_read_deletes_nothing(http_server: tuple[str, Path]) -> None:
+    base, _root = http_server
+    with open_store(f"{base}/cond") as store:
+        store.put("k.bin", b"kept")
+        port = int(base.rsplit(":", 1)[1])
+        for since in (b"soon", b"nan", b"inf", b""):
+            head = b"DELETE /cond/k.bin HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Unused-Since: %s\r\n\r\n" % since
+            assert _exchange(port, head).startswith(b"HTTP/1.1 400 ")
+        assert store.get("k.bin") == b"kept"
+
+
 def test_a_value_over_max_size_is_not_read(store: Store) -> None:
     """A reader that knows the most an object can hold reads no further (a planted object of 2 GiB
     where a chunk goes was read whole before its tag refused it)."""

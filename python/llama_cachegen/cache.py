@@ -511,7 +511,8 @@ class CompressedStateCache(BaseLlamaCache):
         for info in sorted(objects, key=lambda i: i.mtime):
             if size <= self.capacity_bytes:
                 break
-            self.store.delete(info.key)
+            if not self.store.delete(info.key, unused_since=info.mtime) and self.store.exists(info.key):
+                continue  # used since the listing (another process's hit or save): newer than the rest
             size -= info.size
 
     def clear(self) -> None:

@@ -156,8 +156,11 @@ class Store(ABC):
         """Stores `data` under a checked `key` atomically."""
 
     @abstractmethod
-    def delete(self, key: str) -> bool:
-        """Removes `key`; False when it was not there."""
+    def delete(self, key: str, *, unused_since: float | None = None) -> bool:
+        """Removes `key`; False when it was not there, or with `unused_since` (the mtime a listing
+        gave) when it was written or used after that. An evicting process's listing is stale by
+        the time it deletes: another process may have used the entry meanwhile (a hit that reads
+        it, a save that keeps it), and the entry is newer than others the listing had as newer."""
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...

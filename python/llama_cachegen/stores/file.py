@@ -290,11 +290,14 @@ class FileStore(Store):
             raise EntryNotFoundError(f"{key!r} not in {self.url}")
         return st.st_size
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: str, *, unused_since: float | None = None) -> bool:
         try:
             with self._folder(key) as (fd, name):
-                if not stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
                     return False  # a folder or a link: not an entry
+                if unused_since is not None and st.st_mtime > unused_since:
+                    return False  # (a use between the stat and the unlink still loses the entry)
                 os.unlink(name, dir_fd=fd)
         except (FileNotFoundError, NotADirectoryError):
             return False

@@ -2,7 +2,8 @@
 `llama-cachegen serve` (aiohttp).
 
 Protocol: `GET /key` returns the value (and marks it used), `PUT /key` stores the request body
-atomically, `HEAD /key` answers 200 with Content-Length or 404, `DELETE /key` removes it,
+atomically, `HEAD /key` answers 200 with Content-Length or 404, `DELETE /key` removes it (with
+`X-Unused-Since: <mtime>` only if it was not written or used since: else 412),
 `GET /prefix/` (a path ending in '/') lists the entries under it as JSON
 `[{"key": ..., "size": ..., "mtime": ...}]`, `POST /prefix/` with the JSON
 `{"mark_used": [key, ...]}` marks those keys under the prefix used now, in that order (on the
@@ -25,6 +26,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -33,6 +35,7 @@ import time
 import urllib.parse
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,8 @@ _READ_PIECE = 1 << 18  # the most a client's read takes at once (it counts its p
 # and a server sending a byte every 2 s held a get (a prompt cache's completion) for as long as
 # its body lasted
 _MIN_BODY_RATE = 4 << 10
+# a DELETE's condition: the entry's mtime (from a listing) it must not be past, else 412
+_UNUSED_SINCE = "X-Unused-Since"
 
 
 def load_token(token_file: str | Path | None = None) -> str | None:
@@ -208,10 +213,17 @@ class HttpStore(Store):
         return f"{self._base}/{urllib.parse.quote(path)}" + ("/" if listing and path else "")
 
     def _request(
-        self, method: str, key: str, data: bytes | None = None, *, listing: bool = False, preload: bool = True
+        self,
+        method: str,
+        key: str,
+        data: bytes | None = None,
+        *,
+        listing: bool = False,
+        preload: bool = True,
+        headers: dict[str, str] | None = None,
     ) -> urllib3.BaseHTTPResponse:
         url = self._url(key if listing else check_key(key), listing=listing)
-        headers = dict(self._headers)
+        headers = {**self._headers, **(headers or {})}
         if data is not None:
             headers["Content-Type"] = "application/octet-stream"
         try:
@@ -292,10 +304,15 @@ class HttpStore(Store):
     def _put(self, key: str, data: bytes) -> None:
         self._request("PUT", key, data)
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: str, *, unused_since: float | None = None) -> bool:
+        headers = {} if unused_since is None else {_UNUSED_SINCE: repr(float(unused_since))}
         try:
-            self._request("DELETE", key)
+            self._request("DELETE", key, headers=headers)
         except EntryNotFoundError:
+            return False
+        except HttpStatusError as exc:
+            if exc.http_status != 412:  # 412: used since (a server before the header deletes)
+                raise
             return False
         return True
 
@@ -503,8 +520,7 @@ class _Server:
             if request.method == "PUT":
                 return await self._put(request, key)
             if request.method == "DELETE":
-                deleted = await self._run(self.store.delete, key)
-                return web.Response(status=204) if deleted else _text(404, "not found")
+                return await self._delete(request, key)
             return await self._get(request, key)
         except EntryNotFoundError:
             return _text(404, "not found")
@@ -512,6 +528,20 @@ class _Server:
             return _text(400, str(exc))
         except StoreError as exc:  # a folder where a file should be, a link, a full disk
             return _text(409, str(exc))
+
+    async def _delete(self, request: web.Request, key: str) -> web.Response:
+        since = request.headers.get(_UNUSED_SINCE)
+        try:
+            unused_since = None if since is None else float(since)
+        except ValueError:
+            unused_since = math.nan
+        if unused_since is not None and not math.isfinite(unused_since):
+            return _text(400, f"{_UNUSED_SINCE} takes an mtime as a listing gives it, not {since[:40]!r}")
+        if await self._run(partial(self.store.delete, key, unused_since=unused_since)):
+            return web.Response(status=204)
+        if unused_since is not None and await self._run(self.store.exists, key):
+            return _text(412, "used since the listing")
+        return _text(404, "not found")
 
     async def _list(self, key: str) -> web.Response:
         if key:

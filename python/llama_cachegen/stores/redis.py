@@ -30,6 +30,16 @@ for i = 1, #ARGV do
   end
 end
 """
+# deletes the value KEYS[2] and its member ARGV[1] of the set KEYS[1] unless the member's time is
+# past ARGV[2] (used since); 1 if deleted
+_DELETE_UNUSED = """
+local t = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if t and tonumber(t) > tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+return redis.call('DEL', KEYS[2])
+"""
 # removes from the set KEYS[1] the members ARGV whose value KEYS[2..] is still gone (a client that
 # wrote one again since a listing saw it gone keeps its member)
 _FORGET = """
@@ -73,6 +83,7 @@ class RedisStore(Store):
             ) from exc
         self._mark = self._redis.register_script(_MARK_USED)
         self._forget = self._redis.register_script(_FORGET)
+        self._delete_unused = self._redis.register_script(_DELETE_UNUSED)
 
     def _name(self, key: str) -> str:
         """The Redis key of a store key (checked; the LRU set's own name is none)."""
@@ -119,8 +130,11 @@ class RedisStore(Store):
         pipe.zadd(self._lru, {key: now})
         self._call("SET", pipe.execute)
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: str, *, unused_since: float | None = None) -> bool:
         name = self._name(key)
+        if unused_since is not None:  # one call (_DELETE_UNUSED): no use comes between
+            args = [key, repr(float(unused_since))]
+            return bool(self._call("EVALSHA", self._delete_unused, keys=[self._lru, name], args=args))
         pipe = self._redis.pipeline(transaction=True)
         pipe.delete(name)
         pipe.zrem(self._lru, key)
