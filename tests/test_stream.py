@@ -1087,6 +1087,42 @@ def test_a_state_stored_whole_reports_its_tokens_as_a_chunked_load_does(
         assert [(r.begin, r.end, r.level) for r in report.records] == [(0, 250, "lossless")]
 
 
+@pytest.mark.parametrize("name", ["ctx", "whole.lcg"])
+def test_a_state_stored_whole_waits_for_no_calibration(
+    gpl_tokens: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A load with an SLO measures the prefill speed while it reads the manifest; a state stored
+    whole (directly, or behind a manifest) streams nothing and needs none. It waited for the
+    calibration all the same: 11 s on a busy CPU (Gemma 3 270M) for a load of 0.2 s. The
+    calibration stops after the llama_decode call under way, which here waits for the load."""
+    llm = _llama()
+    llm.eval(gpl_tokens[:300])
+    llm.n_tokens = 200  # rewound: not chunkable, stored whole behind the manifest
+    assert chunks.save_chunked(llm, tmp_path / "ctx", levels=("lossless",), chunk_tokens=C).fallback
+    llm.save_compressed_state(tmp_path / "whole.lcg", level="lossless")
+    decode, load = stream._decode_tokens, stream.load_compressed_state
+    loaded, calls = threading.Event(), []
+
+    def decoded(*args: Any) -> bool:
+        calls.append(args[1].size)
+        loaded.wait(30)  # the calibration's first call outlasts the load
+        return decode(*args)
+
+    def loading(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return load(*args, **kwargs)
+        finally:
+            loaded.set()
+
+    monkeypatch.setattr(stream, "_speeds", {})  # not measured yet in this process
+    monkeypatch.setattr(stream, "_decode_tokens", decoded)
+    monkeypatch.setattr(stream, "load_compressed_state", loading)
+    monkeypatch.setattr(chunks, "load_compressed_state", loading)
+    report = stream.load_streaming(_llama(), (tmp_path / name).as_uri(), slo_s=60.0, prior_mbps=FAST)
+    assert report.tokens == 200 and loaded.is_set()
+    assert calls in ([], [8]) and stream._speeds == {}  # the warm-up at most; no speed kept
+
+
 def test_cli_load_prints_the_report(stores_saved: dict[str, str]) -> None:
     load = [sys.executable, "-m", "llama_cachegen", "load", stores_saved["http"], "--slo", "60"]
     load += ["--n-ctx", "700", "--threads", "1", "--json"]
@@ -1097,6 +1133,9 @@ def test_cli_load_prints_the_report(stores_saved: dict[str, str]) -> None:
         assert report["tokens"] == N and len(report["chunks"]) == CHUNKS and report["slo_s"] == 60.0
         assert (report["calibrate_ms"] == 0) == bool(given)
     assert report["compute_tps"] == pytest.approx(123.5)
+    # the text report says where a first load's time went (its chunks' times add up to little)
+    proc = subprocess.run(load[:-1], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "prefill speed measured in" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_cli_load_counts_the_manifest_read_in_its_slo(

@@ -769,6 +769,11 @@ def _load(args: argparse.Namespace) -> int:
         f"{_size(result['bytes_read'])} read; expected KL {result['expected_kl']:.4f}; "
         f"levels {result['levels']}"
     )
+    if result["calibrate_ms"] >= 1:  # a first load per process and model: say where the time went
+        print(
+            f"this CPU's prefill speed measured in {result['calibrate_ms']:.0f} ms of it "
+            "(once per process, beside the manifest's read; --compute-tps skips it)"
+        )
     for line in result["failures"]:
         print(f"failure: {line}")
     if result["fallback"]:

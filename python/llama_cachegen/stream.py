@@ -328,10 +328,19 @@ def calibrate(llm: llama_cpp.Llama, *, tokens: int = _CALIBRATION_TOKENS, force:
     on a scratch context (the context of `llm` is not touched) and kept, then learnt from every
     text chunk that streamed loads compute (per position: see _PrefillSpeed); `force` measures
     again and forgets what was learnt. Returns the speed at the first position."""
+    tps = _calibrate(llm, tokens, force, threading.Event())
+    assert tps is not None  # (never stopped)
+    return tps
+
+
+def _calibrate(llm: llama_cpp.Llama, tokens: int, force: bool, stop: threading.Event) -> float | None:
+    """calibrate(), given up between two llama_decode calls once `stop` is set: None, nothing kept."""
     key = _speed_key(llm)
     with _speeds_lock:
         if key in _speeds and not force:
             return _speeds[key].tps
+    if stop.is_set():
+        return None
     params = type(llm.context_params).from_buffer_copy(llm.context_params)
     params.n_ctx = tokens + 16
     params.n_batch = params.n_ubatch = min(int(llm.n_batch), tokens)
@@ -344,6 +353,8 @@ def calibrate(llm: llama_cpp.Llama, *, tokens: int = _CALIBRATION_TOKENS, force:
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(scratch.ctx), True)
         start = time.perf_counter()
         for p in range(0, tokens, _PIECE):  # one llama_decode per piece, as _compute calls it
+            if stop.is_set():
+                return None
             _decode_tokens(scratch.ctx, ids[p : min(tokens, p + _PIECE)], p, 0, params.n_batch)
         tps = tokens / (time.perf_counter() - start)
     finally:
@@ -355,7 +366,9 @@ def calibrate(llm: llama_cpp.Llama, *, tokens: int = _CALIBRATION_TOKENS, force:
 
 class _Calibration(threading.Thread):
     """_prefill_speed on its own thread (llama_decode releases the GIL), while the caller reads
-    the manifest: on a slow link the first load's calibration costs it little or nothing."""
+    the manifest: on a slow link the first load's calibration costs it little or nothing. A
+    manifest of a state stored whole needs no speed: stop() ends it after the llama_decode call
+    under way (a busy CPU took 11 s over a whole load of 0.2 s)."""
 
     def __init__(self, llm: llama_cpp.Llama) -> None:
         super().__init__(name="llama-cachegen-calibrate", daemon=True)
@@ -363,15 +376,20 @@ class _Calibration(threading.Thread):
         self.speed: _PrefillSpeed | None = None
         self.error: BaseException | None = None
         self.seconds = 0.0
+        self.stopped = threading.Event()
         self.start()
 
     def run(self) -> None:
         start = time.perf_counter()
         try:
-            self.speed = _prefill_speed(self.llm)
+            self.speed = _prefill_speed(self.llm, self.stopped)
         except BaseException as exc:  # raised on the caller's thread by result()
             self.error = exc
         self.seconds = time.perf_counter() - start
+
+    def stop(self) -> None:
+        """Ends the calibration without waiting for it (the call's way out joins it)."""
+        self.stopped.set()
 
     def result(self) -> _PrefillSpeed:
         self.join()
@@ -381,9 +399,11 @@ class _Calibration(threading.Thread):
         return self.speed
 
 
-def _prefill_speed(llm: llama_cpp.Llama) -> _PrefillSpeed:
-    """A copy of what this process knows of the prefill speed (calibrated if need be)."""
-    calibrate(llm)
+def _prefill_speed(llm: llama_cpp.Llama, stop: threading.Event) -> _PrefillSpeed | None:
+    """A copy of what this process knows of the prefill speed (calibrated if need be; None when
+    stopped first)."""
+    if _calibrate(llm, _CALIBRATION_TOKENS, False, stop) is None:
+        return None
     with _speeds_lock:
         return copy.copy(_speeds[_speed_key(llm)])
 
@@ -1739,9 +1759,9 @@ def load_streaming(
         if calibration is not None:
             waits.callback(calibration.join)
         data = store.get(key) if manifest is None else bytes(manifest)
-        if calibration is not None:
-            speed = calibration.result()
         if not envelope.is_manifest(data):  # one whole container: nothing to stream
+            if calibration is not None:
+                calibration.stop()
             whole = load_compressed_state(llm, data, seq_id=seq_id, threads=threads)
             whole.extra["levels"] = {codec.inspect(data)["level"]: 1}
             n_tokens = int(StateMeta.unpack(codec.user_meta(data)).tokens.size)
@@ -1754,8 +1774,12 @@ def load_streaming(
         tokens = m.meta.tokens
         chunks._check_room(llm, int(tokens.size))
         if m.chunk_tokens is None:
+            if calibration is not None:
+                calibration.stop()
             whole = chunks._load_whole(llm, store, m, level, seq_id, threads, len(data))
             return _whole_report(whole, int(tokens.size), stores.redact(url), slo_s, t0, table)
+        if calibration is not None:
+            speed = calibration.result()
         loader = _Loader(
             llm,
             store,
