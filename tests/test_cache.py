@@ -284,6 +284,17 @@ def test_an_eviction_during_a_save_takes_its_tail_first(
     assert hit.n_tokens == writer._match(tokens).chunks * C >= 2 * C
 
 
+def _save_four_chunks_and_evict_one(cache: CompressedStateCache, llm: Any, tokens: list[int]) -> None:
+    """Saves the context of `tokens` (four chunks, two stored before), then evicts one object:
+    the chain's last chunk must be the one that goes."""
+    time.sleep(0.01)
+    cache[tokens] = llm.save_state()
+    assert cache._match(tokens).chunks == 4
+    cache.capacity_bytes = cache.cache_size - 1
+    cache._evict()
+    assert cache[tokens].n_tokens == 3 * C
+
+
 @pytest.mark.parametrize("kind", ["file", "http"])
 def test_eviction_keeps_what_the_kept_chunks_of_an_extended_context_name(
     tmp_path: Path, kind: str, request: pytest.FixtureRequest
@@ -307,12 +318,7 @@ def test_eviction_keeps_what_the_kept_chunks_of_an_extended_context_name(
     cache[tokens[: 2 * C + 3]] = llm.save_state()
     llm.eval(tokens[2 * C + 3 :])
     assert cache[tokens].n_tokens == 2 * C  # the hit llama-cpp-python looks up before it saves
-    time.sleep(0.01)
-    cache[tokens] = llm.save_state()
-    assert cache._match(tokens).chunks == 4
-    cache.capacity_bytes = cache.cache_size - 1
-    cache._evict()  # one object goes: the chain's last chunk
-    assert cache[tokens].n_tokens == 3 * C
+    _save_four_chunks_and_evict_one(cache, llm, tokens)
     assert cache[tokens[: 2 * C + 1]].n_tokens == 2 * C
 
 
@@ -331,12 +337,7 @@ def test_a_save_through_chunks_another_process_stored_keeps_what_they_name(tmp_p
     )
     llm.eval(tokens[2 * C + 3 :])
     cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=llm)
-    time.sleep(0.01)
-    cache[tokens] = llm.save_state()
-    assert cache._match(tokens).chunks == 4
-    cache.capacity_bytes = cache.cache_size - 1
-    cache._evict()  # one object goes: the chain's last chunk
-    assert cache[tokens].n_tokens == 3 * C
+    _save_four_chunks_and_evict_one(cache, llm, tokens)
 
 
 def test_a_damaged_skeleton_keeps_the_chunks_that_name_it(tmp_path: Path) -> None:

@@ -97,7 +97,8 @@ def test_a_delete_condition_the_server_cannot_read_deletes_nothing(http_server: 
         store.put("k.bin", b"kept")
         port = int(base.rsplit(":", 1)[1])
         for since in (b"soon", b"nan", b"inf", b""):
-            head = b"DELETE /cond/k.bin HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Unused-Since: %s\r\n\r\n" % since
+            head = b"DELETE /cond/k.bin HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+            head += b"X-Unused-Since: %s\r\n\r\n" % since
             assert _exchange(port, head).startswith(b"HTTP/1.1 400 ")
         assert store.get("k.bin") == b"kept"
 

@@ -351,41 +351,49 @@ def test_a_fetch_that_fails_while_the_cpu_computes_another_chunk_is_fetched_agai
 ) -> None:
     """Past the SLO the CPU computes from the front while the link fetches from the back (an
     oracle promising an instant link). The first chunk fetch fails as the CPU starts a chunk of
-    four pieces: the assembly took the failure only once that chunk was computed, and the link
-    idled meanwhile (1.55 s measured); the fetch starts again between two pieces now."""
+    four pieces (the fetch waits for that first piece, which waits for the failure): the assembly
+    took the failure only once that chunk was computed, and the link idled meanwhile (1.55 s
+    measured); the fetch starts again between two pieces now."""
     from llama_cachegen.stores.file import FileStore
 
     url = f"{tmp_path.as_uri()}/ctx"
     chunks.save_chunked(original["llm"], url, levels=("lossless",), chunk_tokens=C)  # to compare
-    get, compute = FileStore._get, stream._Loader._compute
-    computing = threading.Event()
-    asked: list[tuple[str, float]] = []  # chunk objects read: key, when
-    failed: list[float] = []
-    computed: list[tuple[int, float, float]] = []
+    get, compute, decode = FileStore._get, stream._Loader._compute, stream._decode_tokens
+    computing, failed = threading.Event(), threading.Event()
+    asked: list[float] = []  # when chunk objects were read
+    loaders: list[stream._Loader] = []
+    held: list[int] = []  # the chunk whose first piece waited for the failure
+    computed: dict[int, float] = {}  # chunk: when its computation ended
 
     def failing(self: FileStore, key: str, limit: int | None) -> bytes:
         if key.startswith(f"{chunks.PREFIX}chunks/"):
-            asked.append((key, time.perf_counter()))
+            asked.append(time.perf_counter())
             if len(asked) == 1:
                 assert computing.wait(30)
-                failed.append(time.perf_counter())
+                failed.set()
                 raise StoreError(f"connection reset reading {key!r}")
         return get(self, key, limit)
 
     def timed(self: stream._Loader, i: int, until: float | None = None) -> None:
-        start = time.perf_counter()
-        computing.set()
+        loaders.append(self)
         try:
             compute(self, i, until)
         finally:
-            computed.append((i, start, time.perf_counter()))
+            computed.setdefault(i, time.perf_counter())
+
+    def decoded(ctx: Any, tokens: np.ndarray, pos0: int, *args: Any) -> bool:
+        if not held and pos0 % C == 0 and loaders[-1].state is not None:  # a chunk's first piece
+            held.append(pos0 // C)
+            computing.set()
+            assert failed.wait(30)
+        return decode(ctx, tokens, pos0, *args)
 
     monkeypatch.setattr(FileStore, "_get", failing)
     monkeypatch.setattr(stream._Loader, "_compute", timed)
+    monkeypatch.setattr(stream, "_decode_tokens", decoded)
     report = stream.load_streaming(loader, url, slo_s=0.5, oracle=lambda _nbytes: 0.0)
-    assert failed and len(asked) >= 2, asked
-    during = next(end for _i, start, end in computed if start <= failed[0] <= end)
-    assert asked[1][1] < during, (asked, failed, computed)
+    assert held and len(asked) >= 2, (held, asked)
+    assert asked[1] < computed[held[0]], (held, asked, computed)
     assert any("could not be fetched: StoreError" in f for f in report.failures)
     _continues(loader, original)
 

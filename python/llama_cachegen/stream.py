@@ -1758,6 +1758,7 @@ def load_streaming(
         calibration = _Calibration(llm) if speed is None and adapts else None
         if calibration is not None:
             waits.callback(calibration.join)
+            waits.callback(calibration.stop)  # first: a load that fails waits for one piece only
         data = store.get(key) if manifest is None else bytes(manifest)
         if not envelope.is_manifest(data):  # one whole container: nothing to stream
             if calibration is not None:
