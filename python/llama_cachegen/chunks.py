@@ -550,12 +550,13 @@ def _save_chunks(
     level_bytes: dict[str, int] = {}
     for level in levels:
         held = store.has_many([_chunk_key(key, level) for key in keys])
+        stored = [i for i, there in enumerate(held) if there]
         missing = [i for i, there in enumerate(held) if not there]
-        present += len(keys) - len(missing)
+        present += len(stored)
         if evicting is not None:
-            uploads.mark_used(evicting([i for i, there in enumerate(held) if there]))
+            uploads.mark_used(evicting(stored))
             missing.reverse()
-        for i in set(range(len(keys))) - set(missing):
+        for i in stored:
             manifest.chunks[i].sizes[level] = None  # stored by an earlier save: never re-encoded
         manifest.stats[level] = None
         if not missing:

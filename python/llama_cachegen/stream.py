@@ -821,7 +821,7 @@ class _Loader:
         """Starts the next fetch if the link is free (holds cv): the front's chunk in order (up to
         _LOOKAHEAD ahead of the assembly), or with the CPU computing from the front, the last;
         with nothing left to decide, the chunk the CPU computes when a fetch of it serves better."""
-        if self.state is None or self.finished or self.fallback is not None or self._failure_untaken():
+        if self.state is None or self.finished or self.fallback is not None or self._failed_untaken():
             return
         if self._link_busy() and not (self.adapt and self._abort_late(time.perf_counter())):
             return
@@ -851,23 +851,13 @@ class _Loader:
         rec.level, rec.reason, rec.mbps = level, reason, self._mbps()
         self._start(j, level, now)
 
-    def _failure_untaken(self) -> bool:
-        """A fetch of a chunk not in the buffer failed and the assembly has not taken it: it
-        decides first whether the chunk is fetched again (_take). Told by the job itself, not by
-        its thread's report (_fetched): the assembly may see a job end before that report."""
-        return any(
-            j.done.is_set() and j.error is not None and not self.done[j.index] for j in self.jobs.values()
-        )
-
-    def _failed_elsewhere(self, i: int) -> list[_Job]:
-        """The failed fetches of chunks not in the buffer other than chunk i (the one the CPU
-        computes; a failure of its fetch is taken with the CPU's chunk), for the assembly to take
-        between two pieces of a computation: the link waits for that (_failure_untaken)."""
-        return [
-            j
-            for j in self.jobs.values()
-            if j.index != i and j.done.is_set() and j.error is not None and not self.done[j.index]
-        ]
+    def _failed_untaken(self) -> list[_Job]:
+        """Fetches of chunks not in the buffer that failed and that the assembly has not taken:
+        it decides first whether each chunk is fetched again (_take), and the link waits for that.
+        Told by the job itself, not by its thread's report (_fetched): the assembly may see a job
+        end before that report."""
+        jobs = self.jobs.values()
+        return [j for j in jobs if j.done.is_set() and j.error is not None and not self.done[j.index]]
 
     def _race_computing(self, now: float) -> None:
         """The link, free with every chunk decided, fetches the chunk the CPU is computing when
@@ -1141,7 +1131,7 @@ class _Loader:
                     self._upgrade_failed(job)
                     self._feed()
                 elif job.error is None:
-                    self._feed()  # (a failure waits for the assembly: _failure_untaken)
+                    self._feed()  # (a failure waits for the assembly: _failed_untaken)
             self.cv.notify_all()
 
     # -- the assembly --
@@ -1488,8 +1478,11 @@ class _Loader:
                             self.held = b
                         raise _Stopped
                     skeleton = self.skeleton_job
-                    for failed in self._failed_elsewhere(i):
-                        self._take(failed)  # (no decode: the link need not wait for this chunk)
+                    for failed in self._failed_untaken():
+                        # (no decode: the link need not wait for this chunk; a failed fetch of
+                        # this chunk is taken with it)
+                        if failed.index != i:
+                            self._take(failed)
                     self._feed()
                     racing = self.jobs.get(i)
                     # a recurrent model, with a fetch of this chunk in flight: shorter pieces, to
