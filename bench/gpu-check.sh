@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA backend on a machine with a GPU (docs/cuda.md), as one prepared run: build the package
-# with the kernels for that GPU, run tests/test_cuda.py (the GPU checks run in-process there), the
-# bad-input check under compute-sanitizer, then bench/cuda.py. Logs go to $OUT (default
-# /tmp/gpu-check). Needs nvcc, cmake, numpy, pytest and cffi in the python3 it finds.
+# with the kernels for that GPU, run tests/test_cuda.py (the GPU checks run in-process there, with
+# the conversion check over every f32; the emulated ones run everywhere else), the bad-input check
+# under compute-sanitizer, then bench/cuda.py. Logs go to $OUT (default /tmp/gpu-check);
+# LCG_NCU=1 adds a profile of the decode kernel. Needs nvcc, cmake, numpy, pytest and cffi in the
+# python3 it finds (the device tool's machines lack cffi: carry its wheel).
 #
 #     OUT=/tmp/gpu bash bench/gpu-check.sh [bench/cuda.py arguments]
 set -uo pipefail
@@ -20,10 +22,17 @@ nvcc -arch=sm_"$ARCH" --fmad=false -std=c++17 -Xptxas -v -Inative/include -Inati
   | tee "$OUT/ptxas.txt"
 
 export PYTHONUNBUFFERED=1
-timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.txt"
+timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -k "not emulated" tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.txt"
 if command -v compute-sanitizer >/dev/null; then
   (cd tests && timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 -c \
     "import test_cuda; test_cuda.check_bad_input_never_faults(); test_cuda.check_chunks_match_cpu(); print('sanitizer run ok')") \
     2>&1 | tail -15 | tee "$OUT/sanitizer.txt"
 fi
 timeout 300 python3 bench/cuda.py "$@" 2>&1 | tee "$OUT/bench_cuda.txt"
+# LCG_NCU=1: one launch of the decode kernel (balanced) under Nsight Compute
+if [ -n "${LCG_NCU:-}" ] && command -v ncu >/dev/null; then
+  timeout 180 ncu --kernel-name decode_slices --launch-skip 0 --launch-count 1 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section InstructionStats --section MemoryWorkloadAnalysis \
+    python3 bench/cuda.py --levels balanced --reps 1 --layers 32 2>&1 | tail -150 | tee "$OUT/ncu.txt"
+fi

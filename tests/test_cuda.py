@@ -102,6 +102,23 @@ def test_the_library_does_not_link_cuda() -> None:
         assert "libcuda" not in needed and "libcudart" not in needed, (name, needed)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_the_half_conversion_check(tmp_path: Path) -> None:
+    """tests/cuda/half_conversions.cu compares the kernels' one-instruction f16/bf16 conversion with
+    the CPU's integer code over every f32: built wherever nvcc is, run where a GPU is."""
+    exe = tmp_path / "half_conversions"
+    root = TESTS.parent
+    build = [
+        "nvcc", "-arch=sm_80", "--fmad=false", "-std=c++17", f"-I{root / 'native/include'}",
+        f"-I{root / 'native/src'}", str(TESTS / "cuda/half_conversions.cu"), "-o", str(exe),
+    ]  # fmt: skip
+    subprocess.run(build, check=True, capture_output=True)
+    if os.environ.get("LCG_CUDA_LIBRARY") or not lcg.cuda_available():
+        pytest.skip("built; running it needs a CUDA device")
+    out = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert out.returncode == 0 and "0 of 2^32" in out.stdout, out.stdout + out.stderr
+
+
 # ---- the checks, on the emulator or a GPU --------------------------------------------------------
 
 

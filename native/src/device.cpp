@@ -183,6 +183,10 @@ struct DeviceSink : DecodeSink {
         t.unit_stride = dst_t.transposed ? static_cast<uint64_t>(dst_t.n_cells) * dst_t.unit_bytes : dst_t.unit_bytes;
         t.rows = rows(row_cell);
         const Lines lines(obj, s);  // the object's coding order (docs/format.md)
+        // The kernels index lines and slices with 32 bits (cuda/kernels.h).
+        LCG_CHECK(lines.n_lines <= UINT32_MAX && lines.line_len <= UINT32_MAX, LCG_ERR_LIMIT,
+                  "tensor %zu: %zu lines of %zu elements, past the device decoder's 32-bit indexes", i, lines.n_lines,
+                  lines.line_len);
         t.group_shift = lines.shift;
         t.grouped = lines.kind == Lines::GROUPS;
         t.n_outer = lines.n_lines;
@@ -222,6 +226,8 @@ struct DeviceSink : DecodeSink {
                 blocks.push_back({tables, static_cast<uint32_t>(slices.size()), static_cast<uint32_t>(last - first + 1)});
                 for (size_t k = first; k <= last; k++) {
                     const rans::Slice & sl = list[k];
+                    LCG_CHECK(sl.k1 - sl.k0 <= (1u << 31), LCG_ERR_LIMIT,
+                              "a slice of %zu symbols, past the device decoder's 32-bit indexes", sl.k1 - sl.k0);
                     const size_t raw_bytes = rans::slice_raw_bytes(sl, s.raw_bits);
                     // initial lane states, with the CPU's messages
                     rans::open_stream(sl.data + raw_bytes, sl.bytes - raw_bytes);

@@ -5,12 +5,15 @@
 //  - Everything here is a pure function of its arguments, `LCG_HD` (__host__ __device__ under nvcc,
 //    nothing for the host compiler) and includes nothing but the C library: the CPU scalar decoder
 //    (rans.h, tensor_codec.cpp), the AVX2 decoder's constants and the CUDA kernels
-//    (cuda/decode.cu) all call these, so the CPU tests exercise the code the GPU runs.
+//    (cuda/kernels.h) all call these, so the CPU tests exercise the code the GPU runs.
 //  - One lane step = slot lookup (the caller's: a 4096-entry slot table on the CPU, a compact
-//    table in shared memory on the GPU; both give the same slot entry), `advance` (the state
-//    update), then, when `needs_word`, `refill` with the lane's word. Which word a lane reads is the
-//    caller's business: the CPU reads them in lane order one by one, a warp gives lane j the word at
-//    popc(ballot & lanemask_lt) past the warp's cursor.
+//    table on the GPU), `advance` (the state update; the GPU's decode_symbol computes it from the
+//    compact table without building the slot entry), then, when `needs_word`, `refill` with the
+//    lane's word. Which word a lane reads is the caller's business: the CPU reads them in lane
+//    order one by one, a warp gives lane j the word at popc(ballot & lanemask_lt) past the warp's
+//    cursor.
+//  - The GPU converts to f16/bf16 with one instruction (cuda/kernels.h, half_bits): the same bits
+//    as f32_to_f16 / f32_to_bf16 below for every f32 (tests/cuda/half_conversions.cu checks all 2^32).
 //  - Bits must not depend on the compiler: dequant is a subtract, a multiply and an add that must not
 //    be fused (host: -ffp-contract=off; nvcc: --fmad=false); f16/bf16 rounding is integer code, the
 //    subnormal f16 case a round-half-even of an exactly scaled float (nearbyint / rintf).

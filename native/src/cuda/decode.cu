@@ -4,13 +4,16 @@
 // Read me first:
 //  - One warp per 32-lane slice of a stream, thread j = lane j (docs/format.md, "Streams"); a
 //    block holds up to BLOCK_WARPS slices of one stream. Per step each thread decodes its element
-//    with the shared lane step (lanes.h), then ballot(state < 2^15) and popc(ballot &
+//    (kernels.h, on the lanes.h arithmetic), then ballot(state < 2^15) and popc(ballot &
 //    lanemask_lt) give each thread the offset of its word; the warp advances by popc(ballot).
 //    Every bound check is warp-uniform, so a bad slice stops its warp, reports itself and never
 //    reads or writes out of bounds.
 //  - The per-lane work between the votes is kernels.h, which emulator.cpp runs on the CPU for
 //    the tests; only the loop skeletons and the runtime calls here are GPU-only.
 //  - Tables (compact, plan.h) are read from global memory through the L1 cache.
+//  - The slice loop is a template per Kind (kernels.h), picked once per warp: a step branches on
+//    nothing the tensor fixes, indexes are 32-bit, and a lane reloads its unit's table, mean, step
+//    and shrink only when its unit changes (once per line in grouped and transposed tensors).
 //  - Escapes: the decode kernel records each escape symbol's element index (ballot + popc keep
 //    element order), a second kernel writes the escaped values; exact rows and verbatim bytes are
 //    copied last, so they overwrite what they must.
@@ -29,32 +32,26 @@ namespace {
 
 constexpr unsigned FULL_MASK = 0xffffffffu;
 // Blocks per SM the decode kernel is built for: 4 x 8 warps = half an H100/H200 SM's warps, which
-// caps registers at 64 per thread. The tables stay in global memory and reach the warps through
-// the L1 cache: measured on an H200 (512 MiB state, docs/cuda.md), staging a block's tables in
-// shared memory (82 KB for a 1,024-channel K) left fewer blocks per SM or less L1 and was slower
-// (121-134 GB/s balanced) than none (161 GB/s).
+// caps registers at 64 per thread (measured on an H100, docs/cuda.md: 3 blocks, 76 registers and
+// no spill, ran at 167 GB/s balanced; 5 and 6 blocks spilled and ran at 172 and 133; 4: 226). The
+// tables stay in global memory and reach the warps through the L1 cache: measured on an H200,
+// staging a block's tables in shared memory (82 KB for a 1,024-channel K) left fewer blocks per
+// SM or less L1 and was slower (121-134 GB/s balanced) than none (161 GB/s, before the kinds).
 constexpr int MIN_BLOCKS = 4;
 
 // One block = up to BLOCK_WARPS slices of one stream, a warp each (emulator.cpp: the same steps
 // on the CPU). Words: each lane holds word base + lane and base + 32 + lane of the slice; the
 // warp's cursor stays within 32 of base, so every word a step needs (at most 32) is in those 64
 // and reaches its lane by shuffle, while the load of the next 32 is in flight for several steps.
-__global__ void __launch_bounds__(32 * BLOCK_WARPS, MIN_BLOCKS) decode_slices(Args a) {
-    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const BlockJob bj = a.blocks[blockIdx.x];
-    const Table * tables = reinterpret_cast<const Table *>(a.stats + bj.tables);
-    if (warp >= bj.n_slices) {
-        return;
-    }
-    const uint32_t slice = bj.first + warp;
-    const Walk w = walk_open(a, slice, tables);
-    auto load = [&](uint64_t at) { return at < w.n_words ? word_at(w, at) : 0u; };
+template <class K>
+__device__ void walk_slice(const Args & a, uint32_t slice, const Walk & w, uint32_t lane) {
+    auto load = [&](uint32_t at) { return at < w.n_words ? word_at(w, at) : 0u; };
     Lane l;
-    lane_open(a, w, lane, l);
-    uint64_t pos = 0, base = 0, n_found = 0;
+    lane_open<K>(a, w, lane, l);
+    uint32_t pos = 0, base = 0, n_found = 0;
     uint32_t buf0 = load(lane), buf1 = load(32 + lane);
     uint32_t status = STREAM_OK;
-    for (uint64_t k0 = w.sj.k0; k0 < w.sj.k1; k0 += lanes::LANES) {
+    for (uint32_t e0 = 0; e0 < w.n; e0 += lanes::LANES) {
         lane_decode(w, l);
         const uint32_t mask = __ballot_sync(FULL_MASK, l.need);
         const uint32_t count = __popc(mask);
@@ -62,7 +59,7 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, MIN_BLOCKS) decode_slices(Ar
             status = STREAM_OVERRUN;
             break;
         }
-        const uint32_t at = uint32_t(lane_word_index(pos, mask, lane) - base);  // < 64
+        const uint32_t at = lane_word_index(pos, mask, lane) - base;  // < 64
         const uint32_t w0 = __shfl_sync(FULL_MASK, buf0, at % 32), w1 = __shfl_sync(FULL_MASK, buf1, at % 32);
         lane_refill(l, at < 32 ? w0 : w1);
         pos += count;
@@ -71,13 +68,17 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, MIN_BLOCKS) decode_slices(Ar
             buf0 = buf1;
             buf1 = load(base + 32 + lane);
         }
-        lane_store(a, w, l);
-        if (w.t.lossy) {
-            const uint32_t emask = __ballot_sync(FULL_MASK, lane_escapes(w, l));
-            lane_record_escape(a, w, n_found, emask, lane, l);
-            n_found += __popc(emask);
+        lane_store<K>(a, w, l);
+        if (K::LOSSY) {
+            const uint32_t emask = __ballot_sync(FULL_MASK, lane_escapes<K>(l));
+            if (emask) {  // warp-uniform
+                lane_record_escape<K>(a, w, n_found, emask, lane, l);
+                n_found += __popc(emask);
+            }
         }
-        lane_next(w, l);
+        if (__any_sync(FULL_MASK, lane_next(w, l))) {  // warp-uniform
+            lane_unit_fields<K>(a, w, l);
+        }
     }
     if (status == STREAM_OK) {
         status = walk_end(w, pos, __all_sync(FULL_MASK, l.x == lanes::STATE_LOW), n_found);
@@ -85,6 +86,17 @@ __global__ void __launch_bounds__(32 * BLOCK_WARPS, MIN_BLOCKS) decode_slices(Ar
     if (lane == 0) {
         a.status[slice] = status;
     }
+}
+
+__global__ void __launch_bounds__(32 * BLOCK_WARPS, MIN_BLOCKS) decode_slices(Args a) {
+    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const BlockJob bj = a.blocks[blockIdx.x];
+    if (warp >= bj.n_slices) {
+        return;
+    }
+    const uint32_t slice = bj.first + warp;
+    const Walk w = walk_open(a, slice, reinterpret_cast<const Table *>(a.stats + bj.tables));
+    with_kind(w.t, [&](auto kind) { walk_slice<decltype(kind)>(a, slice, w, lane); });
 }
 
 // Escaped values of each slice (one block per slice), once its decode succeeded.

@@ -18,14 +18,14 @@ namespace lcg::cuda {
 
 namespace {
 
-void decode_slice(const Args & a, uint32_t s, const Table * tables) {
-    const Walk w = walk_open(a, s, tables);
+template <class K>
+void walk_slice(const Args & a, uint32_t s, const Walk & w) {
     Lane l[lanes::LANES];
     for (uint32_t j = 0; j < lanes::LANES; j++) {
-        lane_open(a, w, j, l[j]);
+        lane_open<K>(a, w, j, l[j]);
     }
-    uint64_t pos = 0, n_found = 0;
-    for (uint64_t k0 = w.sj.k0; k0 < w.sj.k1; k0 += lanes::LANES) {
+    uint32_t pos = 0, n_found = 0;
+    for (uint32_t e0 = 0; e0 < w.n; e0 += lanes::LANES) {
         uint32_t mask = 0, emask = 0;
         for (uint32_t j = 0; j < lanes::LANES; j++) {
             lane_decode(w, l[j]);
@@ -38,13 +38,15 @@ void decode_slice(const Args & a, uint32_t s, const Table * tables) {
         }
         for (uint32_t j = 0; j < lanes::LANES; j++) {
             lane_refill(l[j], l[j].need ? word_at(w, lane_word_index(pos, mask, j)) : 0);
-            lane_store(a, w, l[j]);
-            emask |= uint32_t(lane_escapes(w, l[j])) << j;
+            lane_store<K>(a, w, l[j]);
+            emask |= uint32_t(lane_escapes<K>(l[j])) << j;
         }
         pos += count;
         for (uint32_t j = 0; j < lanes::LANES; j++) {
-            lane_record_escape(a, w, n_found, emask, j, l[j]);
-            lane_next(w, l[j]);
+            lane_record_escape<K>(a, w, n_found, emask, j, l[j]);
+            if (lane_next(w, l[j])) {
+                lane_unit_fields<K>(a, w, l[j]);
+            }
         }
         n_found += popc32(emask);
     }
@@ -53,6 +55,11 @@ void decode_slice(const Args & a, uint32_t s, const Table * tables) {
         all_low = all_low && l[j].x == lanes::STATE_LOW;
     }
     a.status[s] = walk_end(w, pos, all_low, n_found);
+}
+
+void decode_slice(const Args & a, uint32_t s, const Table * tables) {
+    const Walk w = walk_open(a, s, tables);
+    with_kind(w.t, [&](auto kind) { walk_slice<decltype(kind)>(a, s, w); });
 }
 
 int device_count(int * count, char *, size_t) {

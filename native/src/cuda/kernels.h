@@ -2,11 +2,14 @@
 // CPU emulator of the backend (emulator.cpp) that the tests run on machines without a GPU.
 //
 // A warp walks a slice of a stream in steps of 32 elements. Between the warp votes (ballots) each
-// lane runs plain functions of its own state: lane_decode (the lanes.h step on a compact table),
-// then after the vote on `need` lane_refill (with the word lane_word_index names) and lane_store,
-// then after the vote on escapes lane_record_escape, then lane_next. decode.cu calls them from one thread per lane with
+// lane runs plain functions of its own state: lane_decode (decode_symbol: a compact table's lookup
+// and the state update), then after the vote on `need` lane_refill (with the word lane_word_index
+// names) and lane_store, then after the vote on escapes lane_record_escape, then lane_next (and
+// lane_unit_fields where a lane's unit changed). decode.cu calls them from one thread per lane with
 // __ballot_sync between; the emulator calls them for lanes 0..31 in turn and computes each vote as
-// a mask. Only the two loop skeletons (a dozen lines each) differ.
+// a mask. Only the two loop skeletons (a few dozen lines each) differ. Both are instantiated per
+// Kind (lossy or not, value type, raw bits): the GPU's step runs ~160 instructions per warp where
+// one loop for every kind ran ~280 (measured, docs/cuda.md).
 #pragma once
 
 #include "../lanes.h"
@@ -42,13 +45,19 @@ LCG_HD inline uint32_t load_u32(const uint8_t * p) {
     return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
 }
 
-// The slot entry of `slot` (lanes::slot_entry), as the CPU's 4096-entry table holds it.
-LCG_HD inline uint32_t lookup(const Table & t, uint32_t slot) {
-    uint32_t s = t.bucket[slot >> BUCKET_SHIFT];
-    while (t.cum[s + 1] <= slot) {  // cum[256] = 4096 ends it
+// Decodes one symbol from state x with table t: lookup then lanes::advance, fused (the slot entry
+// is never built: that costs the GPU a dozen instructions per element). Returns the symbol.
+LCG_HD inline uint32_t decode_symbol(const Table * t, uint32_t & x) {
+    const uint32_t slot = x & (lanes::PROB_SCALE - 1);
+    uint32_t s = LCG_LDG(t->bucket + (slot >> BUCKET_SHIFT));
+    uint32_t lo = LCG_LDG(t->cum + s), hi = LCG_LDG(t->cum + s + 1);
+    while (hi <= slot) {  // cum[256] = 4096 ends it
         s++;
+        lo = hi;
+        hi = LCG_LDG(t->cum + s + 1);
     }
-    return lanes::slot_entry(s, uint32_t(t.cum[s + 1]) - t.cum[s], slot - t.cum[s]);
+    x = (hi - lo) * (x >> lanes::PROB_BITS) + slot - lo;
+    return s;
 }
 
 LCG_HD inline void store_bytes(uint8_t * p, uint32_t v, uint32_t n) {
@@ -57,11 +66,54 @@ LCG_HD inline void store_bytes(uint8_t * p, uint32_t v, uint32_t n) {
     }
 }
 
-LCG_HD inline void store_value(uint8_t * p, const TensorJob & t, float v) {
-    if (t.ggml_type == lanes::GGML_F32) {
+// What a slice's tensor is, fixed at compile time: the slice loop is instantiated per kind, so
+// that a step branches on none of these (with_kind picks the instance).
+template <bool LOSSY_, int32_t TYPE_, bool RAW_>
+struct Kind {
+    static constexpr bool LOSSY = LOSSY_;  // else byte planes
+    static constexpr int32_t TYPE = TYPE_;  // lossy: the ggml type of the values
+    static constexpr bool RAW = RAW_;       // lossy: raw_bits > 0
+};
+
+// Calls f(Kind<...>{}) for t's kind.
+template <class F>
+LCG_HD inline void with_kind(const TensorJob & t, F && f) {
+    if (!t.lossy) {
+        f(Kind<false, 0, false>{});
+    } else if (t.ggml_type == lanes::GGML_F16) {
+        t.raw_bits ? f(Kind<true, lanes::GGML_F16, true>{}) : f(Kind<true, lanes::GGML_F16, false>{});
+    } else if (t.ggml_type == lanes::GGML_BF16) {
+        t.raw_bits ? f(Kind<true, lanes::GGML_BF16, true>{}) : f(Kind<true, lanes::GGML_BF16, false>{});
+    } else {
+        t.raw_bits ? f(Kind<true, lanes::GGML_F32, true>{}) : f(Kind<true, lanes::GGML_F32, false>{});
+    }
+}
+
+// v in a 2-byte float type: lanes::f32_to_half_type's bits. The device converts in one
+// instruction (cvt.rn, IEEE round to nearest even, as that integer code) and gives NaN the same
+// bits; bench/gpu-check.sh compares the two over every f32 on the GPU.
+template <int32_t TYPE>
+LCG_HD inline uint16_t half_bits(float v) {
+#if defined(__CUDA_ARCH__)
+    const uint32_t u = lanes::f32_bits(v);
+    uint16_t h;
+    if (TYPE == lanes::GGML_F16) {
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        return v != v ? uint16_t(((u >> 16) & 0x8000) | 0x7e00) : h;
+    }
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return v != v ? uint16_t((u >> 16) | 0x40) : h;
+#else
+    return lanes::f32_to_half_type(v, TYPE);
+#endif
+}
+
+template <int32_t TYPE>
+LCG_HD inline void store_value(uint8_t * p, bool aligned, float v) {
+    if (TYPE == lanes::GGML_F32) {
         const uint32_t u = lanes::f32_bits(v);
 #if defined(__CUDA_ARCH__)
-        if (t.aligned) {
+        if (aligned) {
             *reinterpret_cast<uint32_t *>(p) = u;
             return;
         }
@@ -69,9 +121,9 @@ LCG_HD inline void store_value(uint8_t * p, const TensorJob & t, float v) {
         store_bytes(p, u, 4);
         return;
     }
-    const uint16_t h = lanes::f32_to_half_type(v, int32_t(t.ggml_type));
+    const uint16_t h = half_bits<TYPE>(v);
 #if defined(__CUDA_ARCH__)
-    if (t.aligned) {
+    if (aligned) {
         *reinterpret_cast<uint16_t *>(p) = h;
         return;
     }
@@ -104,18 +156,29 @@ LCG_HD inline float reconstruct(const Args & a, const TensorJob & t, uint64_t un
 
 // ---- one slice ----------------------------------------------------------------------------------
 
+// Indexes within a slice are 32-bit (the host refuses lines or slices of 2^32 elements or more):
+// 64-bit arithmetic costs the GPU two to four instructions per operation, per element.
 struct Walk {
     SliceJob sj;
     TensorJob t;
     const Table * tables;  // the stream's
     const uint8_t * words;
-    uint64_t n_words, step_o, step_i;
+    uint32_t n_words;
+    uint32_t n, n_inner, step_o, step_i;  // elements in the slice; per step: lines and index
+    bool unit_per_line;                   // a lane's unit changes with its line only (below)
 };
 
+// A lane's element of the current step, and what belongs to its unit, cached: in grouped and
+// transposed tensors a lane keeps its unit along a line (32 is a multiple of the group, and of
+// the group's elements in a line), so the table, mean, step and shrink are looked up once per line
+// instead of once per element.
 struct Lane {
     uint32_t x;
-    uint64_t o, i;  // of the lane's element in this step
-    uint64_t k;
+    uint32_t o, i;  // line and index in it of the lane's element in this step
+    uint32_t e;     // the element, from the slice's first
+    const Table * table;
+    float mean, step, shrink;
+    uint64_t unit_at;  // destination offset of the unit's element in cell 0
     uint32_t sym;
     bool active, need;
 };
@@ -126,40 +189,67 @@ LCG_HD inline Walk walk_open(const Args & a, uint32_t slice, const Table * table
     w.t = a.tensors[w.sj.tensor];
     w.tables = tables;
     w.words = a.container + w.sj.src + 4 * lanes::LANES;
-    w.n_words = (w.sj.bytes - 4 * lanes::LANES) / 2;
-    w.step_o = lanes::LANES / w.t.n_inner;
-    w.step_i = lanes::LANES % w.t.n_inner;
+    w.n_words = uint32_t((w.sj.bytes - 4 * lanes::LANES) / 2);
+    w.n = uint32_t(w.sj.k1 - w.sj.k0);
+    w.n_inner = uint32_t(w.t.n_inner);
+    w.step_o = lanes::LANES / w.n_inner;
+    w.step_i = lanes::LANES % w.n_inner;
+    w.unit_per_line = w.t.grouped || w.t.transposed;
     return w;
 }
 
+// Row and unit of the lane's element (TensorJob.grouped).
+LCG_HD inline uint32_t lane_row(const Walk & w, const Lane & l) {
+    return w.t.grouped ? l.i >> w.t.group_shift : w.t.transposed ? l.i : l.o;
+}
+LCG_HD inline uint32_t lane_unit(const Walk & w, const Lane & l) {
+    return w.t.grouped ? l.o << w.t.group_shift | (l.i & ((1u << w.t.group_shift) - 1)) : w.t.transposed ? l.o : l.i;
+}
+
+// The cached fields of the lane's unit (past the slice's end: never read).
+template <class K>
+LCG_HD inline void lane_unit_fields(const Args & a, const Walk & w, Lane & l) {
+    if (l.e >= w.n) {
+        return;
+    }
+    const uint32_t unit = lane_unit(w, l), g = unit >> w.t.group_shift;
+    l.table = w.tables + g;
+    l.unit_at = w.t.dst + unit * w.t.unit_stride;
+    if (K::LOSSY) {
+        l.mean = LCG_LDG(reinterpret_cast<const float *>(a.stats + w.t.mean) + unit);
+        l.step = LCG_LDG(reinterpret_cast<const float *>(a.stats + w.t.step) + g);
+        l.shrink = LCG_LDG(reinterpret_cast<const float *>(a.stats + w.t.shrink) + g);
+    }
+}
+
+template <class K>
 LCG_HD inline void lane_open(const Args & a, const Walk & w, uint32_t lane, Lane & l) {
     l.x = load_u32(a.container + w.sj.src + 4 * lane);  // the host checked every initial state
-    l.k = w.sj.k0 + lane;
-    l.o = l.k / w.t.n_inner;
-    l.i = l.k % w.t.n_inner;
+    l.e = lane;
+    const uint64_t k = w.sj.k0 + lane;
+    l.o = uint32_t(k / w.t.n_inner);
+    l.i = uint32_t(k % w.t.n_inner);
+    lane_unit_fields<K>(a, w, l);
 }
 
 // Decodes the lane's element of this step (if any): the state update, before renormalisation.
 LCG_HD inline void lane_decode(const Walk & w, Lane & l) {
-    l.active = l.k < w.sj.k1;
+    l.active = l.e < w.n;
     l.need = false;
     l.sym = 0;
     if (l.active) {
-        const uint64_t unit = unit_of(w.t, l.o, l.i);
-        const uint32_t e = lookup(w.tables[unit >> w.t.group_shift], l.x & (lanes::PROB_SCALE - 1));
-        l.x = lanes::advance(l.x, e);
+        l.sym = decode_symbol(l.table, l.x);
         l.need = lanes::needs_word(l.x);
-        l.sym = lanes::entry_symbol(e);
     }
 }
 
 // After the vote on `need` (mask) with the warp's cursor at word `pos`: the lane's word is the
 // popc(mask & lanes below)-th from there.
-LCG_HD inline uint64_t lane_word_index(uint64_t pos, uint32_t mask, uint32_t lane) {
+LCG_HD inline uint32_t lane_word_index(uint32_t pos, uint32_t mask, uint32_t lane) {
     return pos + popc32(mask & ((1u << lane) - 1));
 }
 
-LCG_HD inline uint32_t word_at(const Walk & w, uint64_t at) {
+LCG_HD inline uint32_t word_at(const Walk & w, uint32_t at) {
     return uint32_t(LCG_LDG(w.words + 2 * at)) | uint32_t(LCG_LDG(w.words + 2 * at + 1)) << 8;
 }
 
@@ -169,47 +259,58 @@ LCG_HD inline void lane_refill(Lane & l, uint32_t word) {
     }
 }
 
+template <class K>
 LCG_HD inline void lane_store(const Args & a, const Walk & w, const Lane & l) {
     if (!l.active) {
         return;
     }
-    uint8_t * p = element(a, w.t, l.o, l.i);
-    if (w.t.lossy) {
-        const uint32_t raw = w.t.raw_bits ? lanes::raw_at(a.container + w.sj.raw, l.k - w.sj.k0, w.t.raw_bits) : 0;
-        store_value(p, w.t, reconstruct(a, w.t, unit_of(w.t, l.o, l.i), lanes::symbol_q(l.sym, w.t.raw_bits, raw)));
+    const uint32_t row = lane_row(w, l);
+    const uint32_t cell = w.t.rows == ~0ull ? row : LCG_LDG(reinterpret_cast<const uint32_t *>(a.arena + w.t.rows) + row);
+    uint8_t * p = a.dst + l.unit_at + cell * w.t.cell_stride;
+    if (K::LOSSY) {
+        const uint32_t raw = K::RAW ? lanes::raw_at(a.container + w.sj.raw, l.e, w.t.raw_bits) : 0;
+        const float q = lanes::symbol_q(l.sym, K::RAW ? w.t.raw_bits : 0, raw);
+        store_value<K::TYPE>(p, w.t.aligned, lanes::dequant(l.mean, l.step, l.shrink, q));
     } else {
         p[w.sj.plane] = uint8_t(l.sym);
     }
 }
 
-LCG_HD inline bool lane_escapes(const Walk & w, const Lane & l) {
-    return w.t.lossy && l.active && l.sym == lanes::SYM_ESCAPE;
+template <class K>
+LCG_HD inline bool lane_escapes(const Lane & l) {
+    return K::LOSSY && l.active && l.sym == lanes::SYM_ESCAPE;
 }
 
 // After the vote on escapes (emask) with n_found escapes before this step: records the element of
 // the lane's escape in element order (never past the declared count).
-LCG_HD inline void lane_record_escape(const Args & a, const Walk & w, uint64_t n_found, uint32_t emask, uint32_t lane,
+template <class K>
+LCG_HD inline void lane_record_escape(const Args & a, const Walk & w, uint32_t n_found, uint32_t emask, uint32_t lane,
                                       const Lane & l) {
-    if (lane_escapes(w, l)) {
-        const uint64_t e = n_found + popc32(emask & ((1u << lane) - 1));
+    if (lane_escapes<K>(l)) {
+        const uint32_t e = n_found + popc32(emask & ((1u << lane) - 1));
         if (e < w.sj.n_escapes) {
-            a.escape_at[w.sj.escapes + e] = l.k;
+            a.escape_at[w.sj.escapes + e] = w.sj.k0 + l.e;
         }
     }
 }
 
-LCG_HD inline void lane_next(const Walk & w, Lane & l) {
-    l.k += lanes::LANES;
+// Moves the lane to its element of the next step; true when its unit changed (then the caller
+// calls lane_unit_fields: on the GPU behind a warp vote, so that the steps that need no new
+// fields, nearly all in grouped and transposed tensors, branch past it).
+LCG_HD inline bool lane_next(const Walk & w, Lane & l) {
+    l.e += lanes::LANES;
     l.i += w.step_i;
     l.o += w.step_o;
-    if (l.i >= w.t.n_inner) {
-        l.i -= w.t.n_inner;
+    if (l.i >= w.n_inner) {
+        l.i -= w.n_inner;
         l.o++;
+        return true;
     }
+    return w.step_o != 0 || !w.unit_per_line;
 }
 
 // The slice's status once every step ran (all_low: every lane's state is STATE_LOW).
-LCG_HD inline uint32_t walk_end(const Walk & w, uint64_t pos, bool all_low, uint64_t n_found) {
+LCG_HD inline uint32_t walk_end(const Walk & w, uint32_t pos, bool all_low, uint32_t n_found) {
     if (pos != w.n_words) {
         return STREAM_LEFTOVER;
     }
@@ -232,7 +333,15 @@ LCG_HD inline void patch_escape(const Args & a, const SliceJob & sj, uint64_t e)
         return;  // cannot happen after a successful decode; never write out of bounds
     }
     const uint64_t o = k / t.n_inner, i = k % t.n_inner;
-    store_value(element(a, t, o, i), t, reconstruct(a, t, unit_of(t, o, i), a.escape_q[sj.escapes + e]));
+    uint8_t * p = element(a, t, o, i);
+    const float v = reconstruct(a, t, unit_of(t, o, i), a.escape_q[sj.escapes + e]);
+    if (t.ggml_type == lanes::GGML_F16) {
+        store_value<lanes::GGML_F16>(p, t.aligned, v);
+    } else if (t.ggml_type == lanes::GGML_BF16) {
+        store_value<lanes::GGML_BF16>(p, t.aligned, v);
+    } else {
+        store_value<lanes::GGML_F32>(p, t.aligned, v);
+    }
 }
 
 // Byte k (memory order) of a stored lossless byte plane.
