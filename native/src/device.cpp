@@ -183,8 +183,9 @@ struct DeviceSink : DecodeSink {
         t.unit_stride = dst_t.transposed ? static_cast<uint64_t>(dst_t.n_cells) * dst_t.unit_bytes : dst_t.unit_bytes;
         t.rows = rows(row_cell);
         const Lines lines(obj, s);  // the object's coding order (docs/format.md)
-        // The kernels index lines and slices with 32 bits (cuda/kernels.h).
-        LCG_CHECK(lines.n_lines <= UINT32_MAX && lines.line_len <= UINT32_MAX, LCG_ERR_LIMIT,
+        // The kernels index lines and slices with 32 bits (cuda/kernels.h; a lane's index in its
+        // line passes the line's end by up to 32 before it wraps).
+        LCG_CHECK(lines.n_lines <= (1u << 31) && lines.line_len <= (1u << 31), LCG_ERR_LIMIT,
                   "tensor %zu: %zu lines of %zu elements, past the device decoder's 32-bit indexes", i, lines.n_lines,
                   lines.line_len);
         t.group_shift = lines.shift;

@@ -35,9 +35,18 @@ int main() {
     }
     unsigned long long n[2];
     uint32_t first[2];
-    if (cudaMemcpyFromSymbol(n, n_diff, sizeof n) != cudaSuccess ||
-        cudaMemcpyFromSymbol(first, first_diff, sizeof first) != cudaSuccess) {
-        std::printf("half_conversions: %s\n", cudaGetErrorString(cudaGetLastError()));
+    cudaError_t err = cudaGetLastError();  // a launch that failed
+    if (err == cudaSuccess) {
+        err = cudaDeviceSynchronize();
+    }
+    if (err == cudaSuccess) {
+        err = cudaMemcpyFromSymbol(n, n_diff, sizeof n);
+    }
+    if (err == cudaSuccess) {
+        err = cudaMemcpyFromSymbol(first, first_diff, sizeof first);
+    }
+    if (err != cudaSuccess) {
+        std::printf("half_conversions: %s\n", cudaGetErrorString(err));
         return 2;
     }
     const char * names[2] = {"f16", "bf16"};

@@ -5,7 +5,10 @@
 // per-lane functions (kernels.h) in the same order, a warp's 32 lanes one after another with
 // each vote computed as a mask between them. What it checks: the host's plans (device.cpp), the
 // compact tables, the lane steps and the warp's word accounting, against the CPU decoder's bytes.
-// What it cannot: CUDA itself (launches, shared memory staging, synchronisation).
+// What it cannot: CUDA itself (launches, synchronisation), the device's one-instruction f16/bf16
+// conversion (it runs lanes.h's integer code; tests/cuda/half_conversions.cu compares the two on a
+// GPU), and the GPU's refresh of every lane's unit fields when any lane's unit changed (here only
+// that lane's: the fields are a function of the lane's element, so the bytes are the same).
 #include "kernels.h"
 #include "llama_cachegen.h"
 

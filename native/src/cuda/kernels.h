@@ -101,8 +101,12 @@ LCG_HD inline uint16_t half_bits(float v) {
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
         return v != v ? uint16_t(((u >> 16) & 0x8000) | 0x7e00) : h;
     }
+#if __CUDA_ARCH__ >= 800
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
     return v != v ? uint16_t((u >> 16) | 0x40) : h;
+#else
+    return lanes::f32_to_bf16(v);  // (no bf16 conversion before sm_80)
+#endif
 #else
     return lanes::f32_to_half_type(v, TYPE);
 #endif
@@ -156,7 +160,7 @@ LCG_HD inline float reconstruct(const Args & a, const TensorJob & t, uint64_t un
 
 // ---- one slice ----------------------------------------------------------------------------------
 
-// Indexes within a slice are 32-bit (the host refuses lines or slices of 2^32 elements or more):
+// Indexes within a slice are 32-bit (the host refuses lines or slices past 2^31 elements):
 // 64-bit arithmetic costs the GPU two to four instructions per operation, per element.
 struct Walk {
     SliceJob sj;

@@ -18,8 +18,8 @@ constexpr uint32_t BACKEND_ABI = 3;
 
 // A frequency table as the kernels read it: cumulative frequencies, and per bucket of 32 slots the
 // symbol that holds the bucket's first slot; a lookup walks up from there. 644 bytes instead of
-// the CPU's 16 KiB slot table, so a tensor's tables stay in the L1 cache; both give the same slot
-// entry (lanes::slot_entry).
+// the CPU's 16 KiB slot table, so a tensor's tables stay in the L1 cache; both give the same
+// symbol, frequency and cumulative frequency for every slot (kernels.h, decode_symbol).
 constexpr uint32_t BUCKET_SHIFT = 5;
 struct Table {
     uint16_t cum[258];  // cum[s] for s = 0..256 (cum[256] = 4096), then one pad
