@@ -346,31 +346,25 @@ def test_a_fetch_that_fails_while_the_cpu_computes_its_chunk_is_reported(
     _continues(loader, original)
 
 
-def test_a_fetch_that_fails_while_the_cpu_computes_another_chunk_is_fetched_again_meanwhile(
-    loader: Llama, original: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Past the SLO the CPU computes from the front while the link fetches from the back (an
-    oracle promising an instant link). The first chunk fetch fails as the CPU starts a chunk of
-    four pieces (the fetch waits for that first piece, which waits for the failure): the assembly
-    took the failure only once that chunk was computed, and the link idled meanwhile (1.55 s
-    measured); the fetch starts again between two pieces now."""
+def _failing_during_a_computation(monkeypatch: pytest.MonkeyPatch, failures: int) -> SimpleNamespace:
+    """The first `failures` reads of chunk objects fail, the first once the CPU has begun a chunk
+    computed on a buffer (that chunk's first piece waits for the failure). Returns what happened:
+    asked (when chunk objects were read), held (the chunk whose first piece waited), computed
+    (chunk: when its computation ended)."""
     from llama_cachegen.stores.file import FileStore
 
-    url = f"{tmp_path.as_uri()}/ctx"
-    chunks.save_chunked(original["llm"], url, levels=("lossless",), chunk_tokens=C)  # to compare
     get, compute, decode = FileStore._get, stream._Loader._compute, stream._decode_tokens
     computing, failed = threading.Event(), threading.Event()
-    asked: list[float] = []  # when chunk objects were read
+    seen = SimpleNamespace(asked=[], held=[], computed={})
     loaders: list[stream._Loader] = []
-    held: list[int] = []  # the chunk whose first piece waited for the failure
-    computed: dict[int, float] = {}  # chunk: when its computation ended
 
     def failing(self: FileStore, key: str, limit: int | None) -> bytes:
         if key.startswith(f"{chunks.PREFIX}chunks/"):
-            asked.append(time.perf_counter())
-            if len(asked) == 1:
+            seen.asked.append(time.perf_counter())
+            if len(seen.asked) == 1:
                 assert computing.wait(30)
                 failed.set()
+            if len(seen.asked) <= failures:
                 raise StoreError(f"connection reset reading {key!r}")
         return get(self, key, limit)
 
@@ -379,11 +373,11 @@ def test_a_fetch_that_fails_while_the_cpu_computes_another_chunk_is_fetched_agai
         try:
             compute(self, i, until)
         finally:
-            computed.setdefault(i, time.perf_counter())
+            seen.computed.setdefault(i, time.perf_counter())
 
     def decoded(ctx: Any, tokens: np.ndarray, pos0: int, *args: Any) -> bool:
-        if not held and pos0 % C == 0 and loaders[-1].state is not None:  # a chunk's first piece
-            held.append(pos0 // C)
+        if not seen.held and pos0 % C == 0 and loaders[-1].state is not None:  # a chunk's first piece
+            seen.held.append(pos0 // C)
             computing.set()
             assert failed.wait(30)
         return decode(ctx, tokens, pos0, *args)
@@ -391,10 +385,94 @@ def test_a_fetch_that_fails_while_the_cpu_computes_another_chunk_is_fetched_agai
     monkeypatch.setattr(FileStore, "_get", failing)
     monkeypatch.setattr(stream._Loader, "_compute", timed)
     monkeypatch.setattr(stream, "_decode_tokens", decoded)
+    return seen
+
+
+def test_a_fetch_that_fails_while_the_cpu_computes_another_chunk_is_fetched_again_meanwhile(
+    loader: Llama, original: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the SLO the CPU computes from the front while the link fetches from the back (an
+    oracle promising an instant link). The first chunk fetch fails as the CPU starts a chunk of
+    four pieces (the fetch waits for that first piece, which waits for the failure): the assembly
+    took the failure only once that chunk was computed, and the link idled meanwhile (1.55 s
+    measured); the fetch starts again between two pieces now."""
+    url = f"{tmp_path.as_uri()}/ctx"
+    chunks.save_chunked(original["llm"], url, levels=("lossless",), chunk_tokens=C)  # to compare
+    seen = _failing_during_a_computation(monkeypatch, 1)
     report = stream.load_streaming(loader, url, slo_s=0.5, oracle=lambda _nbytes: 0.0)
-    assert held and len(asked) >= 2, (held, asked)
-    assert asked[1] < computed[held[0]], (held, asked, computed)
+    assert seen.held and len(seen.asked) >= 2, seen
+    assert seen.asked[1] < seen.computed[seen.held[0]], seen
     assert any("could not be fetched: StoreError" in f for f in report.failures)
+    _continues(loader, original)
+
+
+def test_a_fallback_while_the_cpu_computes_a_chunk_keeps_that_chunks_reason(
+    loader: Llama, original: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, and the fetch fails again (the rest of the context is computed from text): the
+    chunk the CPU was computing when that came is text for the reason it was computed (the
+    fallback called it "failed"); the chunks not begun are "failed"."""
+    url = f"{tmp_path.as_uri()}/ctx"
+    chunks.save_chunked(original["llm"], url, levels=("lossless",), chunk_tokens=C)
+    seen = _failing_during_a_computation(monkeypatch, 2)
+    report = stream.load_streaming(loader, url, slo_s=0.5, oracle=lambda _nbytes: 0.0)
+    assert report.fallback is not None and len(seen.asked) == 2, (report.fallback, seen)
+    held = report.records[seen.held[0]]
+    assert held.level == "text" and held.reason in ("late", "parallel"), held
+    after = [r for r in report.records if r.index > held.index]
+    assert after and all((r.level, r.reason) == ("text", "failed") for r in after), after
+    _continues(loader, original)
+
+
+def test_a_raced_fetch_that_fails_frees_the_link_before_its_chunk_is_computed(
+    loader: Llama, original: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the SLO the link fetches the last chunk first and the CPU, computing from the front,
+    races that fetch when it gets there. The fetch fails during the chunk's first piece: it is
+    taken between two pieces (it held the link, a failure waiting for the assembly, until the
+    chunk was computed), reported, and the chunk is text, raced, not fetched again."""
+    from llama_cachegen.stores.file import FileStore
+
+    url = f"{tmp_path.as_uri()}/ctx"
+    chunks.save_chunked(original["llm"], url, levels=("lossless",), chunk_tokens=C)
+    last = CHUNKS - 1
+    get, compute, decode = FileStore._get, stream._Loader._compute, stream._decode_tokens
+    racing, failed = threading.Event(), threading.Event()
+    loaders: list[stream._Loader] = []
+    held: list[bool] = []  # at the race's second piece: whether the failed fetch was still held
+
+    def failing(self: FileStore, key: str, limit: int | None) -> bytes:
+        if threading.current_thread().name == f"lcg-fetch-{last}" and not failed.is_set():
+            assert racing.wait(30)
+            failed.set()
+            raise StoreError(f"connection reset reading {key!r}")
+        return get(self, key, limit)
+
+    def kept(self: stream._Loader, i: int, until: float | None = None) -> None:
+        loaders.append(self)
+        compute(self, i, until)
+
+    def decoded(ctx: Any, tokens: np.ndarray, pos0: int, *args: Any) -> bool:
+        loader_ = loaders[-1]
+        if pos0 == last * C and loader_.computing == last and last in loader_.jobs and not racing.is_set():
+            job = loader_.jobs[last]
+            racing.set()
+            assert job.done.wait(30) and job.error is not None
+        elif pos0 == last * C + stream._PIECE and racing.is_set() and not held:
+            held.append(last in loader_.jobs)
+        return decode(ctx, tokens, pos0, *args)
+
+    monkeypatch.setattr(FileStore, "_get", failing)
+    monkeypatch.setattr(stream._Loader, "_compute", kept)
+    monkeypatch.setattr(stream, "_decode_tokens", decoded)
+    report = stream.load_streaming(loader, url, slo_s=0.5, oracle=lambda _nbytes: 0.0)
+    assert racing.is_set() and held == [False], held
+    rec = report.records[last]
+    assert (rec.level, rec.reason) == ("text", "raced"), rec
+    ours = [f for f in report.failures if f.startswith(f"chunk {last} ")]
+    assert len(ours) == 1 and ours[0].startswith(
+        f"chunk {last} (lossless) could not be fetched: StoreError"
+    ), ours
     _continues(loader, original)
 
 

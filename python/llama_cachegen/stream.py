@@ -571,7 +571,7 @@ class _Loader:
         self.computing: int | None = None  # that chunk
         self.skeleton_job: _Job | None = None  # the skeleton's fetch, until the assembly takes it
         self.skeleton_tries = 0
-        self.kept: set[int] = set()  # chunks whose upgrade failed: not tried again
+        self.kept: set[int] = set()  # chunks whose upgrade or race failed: not fetched again
         self.damaged: dict[str, bytes] = {}  # chunk key -> SHA-256 of bytes that failed to decode
         self.recompute_failed = False  # a chunk could not be computed again: none is
         self.dropped_bytes = 0  # received by reads that failed or were ended (not in reader.bytes_read)
@@ -866,7 +866,7 @@ class _Loader:
         deadline, also when the latest fetch's rate would bring the smallest level first. The CPU
         stops at its next piece if the fetch arrives first."""
         i = self.computing
-        if i is None or i in self.jobs or self.done[i] or not self._estimated():
+        if i is None or i in self.jobs or self.done[i] or i in self.kept or not self._estimated():
             return
         deadline = self._deadline(now)
         stretch = 1.0 / self._share()
@@ -1261,15 +1261,24 @@ class _Loader:
             except _Stopped:
                 continue  # its fetch arrived: taken next round
             with self.cv:
-                job = self.jobs.pop(i, None)
-                if job is not None:  # won the race against a fetch of the chunk: the link is freed
-                    if job.done.is_set() and job.error is not None:  # failed meanwhile: reported
-                        self._fail(i, job.level, job.error, "could not be fetched")
-                    self._abandon(job)
-                    self.records[i].fetch_ms = job.seconds * 1e3
-                    self._claim(i, "raced")
+                job = self.jobs.get(i)
+                if job is not None:
+                    self._race_won(job)
                 self.done[i] = True
             self._report(i)
+
+    def _race_won(self, job: _Job) -> None:
+        """(holds cv) The CPU computes the chunk of a fetch in flight, or one that failed: the
+        fetch goes and frees the link, the chunk is text. A failed one is reported, and the chunk
+        is not raced again (_race_computing)."""
+        i = job.index
+        del self.jobs[i]
+        if job.done.is_set() and job.error is not None:
+            self._fail(i, job.level, job.error, "could not be fetched")
+            self.kept.add(i)
+        self._abandon(job)
+        self.records[i].fetch_ms = job.seconds * 1e3
+        self._claim(i, "raced")
 
     def _report(self, i: int) -> None:
         if self.progress is not None:
@@ -1323,12 +1332,16 @@ class _Loader:
             if not self.text_ok:
                 raise error
             self.fallback = f"{self.failures[-1]}; chunks from {i} on not in the buffer computed from text"
-            for k, d in enumerate(self.done):
-                if not d:
-                    self._claim(k, "failed")
-                    stale = self.jobs.pop(k, None)
+            for k in [k for k, d in enumerate(self.done) if not d]:
+                stale = self.jobs.get(k)
+                if k == self.computing:  # computed already, for its own reason (or a race: won)
                     if stale is not None:
-                        self._abandon(stale)
+                        self._race_won(stale)
+                    continue
+                self._claim(k, "failed")
+                if stale is not None:
+                    del self.jobs[k]
+                    self._abandon(stale)
 
     def _take_upgrade(self, job: _Job) -> None:
         """A chunk fetched again at a better level (_upgrade) over the one in the buffer. A decode
@@ -1479,10 +1492,12 @@ class _Loader:
                         raise _Stopped
                     skeleton = self.skeleton_job
                     for failed in self._failed_untaken():
-                        # (no decode: the link need not wait for this chunk; a failed fetch of
-                        # this chunk is taken with it)
+                        # (no decode: the link need not wait for this chunk, nor for this one's
+                        # own fetch, which the CPU is beating anyway)
                         if failed.index != i:
                             self._take(failed)
+                        else:
+                            self._race_won(failed)
                     self._feed()
                     racing = self.jobs.get(i)
                     # a recurrent model, with a fetch of this chunk in flight: shorter pieces, to
