@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import llama_cachegen as lcg
 import numpy as np
@@ -261,8 +262,81 @@ def check_bad_input_never_faults() -> None:
     assert status == lib.LCG_ERR_DST_TOO_SMALL
 
 
+class _Foreign:
+    """Device memory as another library shows it: `__cuda_array_interface__` over a DeviceBuffer."""
+
+    def __init__(self, buf: lcg.DeviceBuffer, **fields: Any) -> None:
+        self.buf = buf
+        self.__cuda_array_interface__ = buf.__cuda_array_interface__ | fields
+
+
+def check_device_targets_are_checked() -> None:
+    """What decode_into and decode_chunk write through is checked first: a foreign array's
+    interface (read-only, masked, strided, unreadable, a pointer or stream out of range), a
+    DeviceBuffer's size; a well-formed one of another element type or with a stream decodes."""
+    state = _state(37, 24, True, "outliers")
+    blob = lcg.encode(state, "balanced")
+    expected = lcg.decode(blob)
+    size = len(expected)
+    buf = lcg.DeviceBuffer(size)
+    bad = [
+        {"data": (buf.ptr, True)},
+        {"mask": object()},
+        {"version": 4},
+        {"shape": (-1, -size)},
+        {"typestr": "xyz"},
+        {"shape": None},
+        {"data": None},
+        {"strides": (2,)},
+        {"data": (-1, False)},
+        {"data": (2**64 + buf.ptr, False)},
+        {"stream": 0},
+        {"stream": -5},
+    ]
+    for fields in bad:
+        with pytest.raises(lcg.InvalidArgumentError):
+            lcg.decode_into(blob, _Foreign(buf, **fields))
+    assert buf.to_host() != expected  # nothing was written
+    good = [
+        {"strides": (1,)},  # C-contiguous, said explicitly
+        {"typestr": "<f2", "shape": (size // 2 + 1,)},  # a size in elements of 2 bytes
+        {"stream": 1},  # the legacy default stream
+        {"stream": 2},  # the per-thread default stream
+        {"version": 2},
+    ]
+    for fields in good:
+        buf.copy_from(bytes(size))
+        assert lcg.decode_into(blob, _Foreign(buf, **fields)) == size
+        assert buf.to_host() == expected, fields
+    with pytest.raises(AttributeError):
+        buf.size = 10 * size  # (it bounds every copy)
+    for n in (-1, 2**64, 1.5, "10"):
+        with pytest.raises(lcg.InvalidArgumentError):
+            lcg.DeviceBuffer(n)  # type: ignore[arg-type]
+    assert lcg.DeviceBuffer(0).__cuda_array_interface__["data"] == (0, False)
+    with pytest.raises(lcg.InvalidArgumentError, match="DeviceBuffer"):
+        buf.copy_to(bytearray(size))  # type: ignore[arg-type]
+    with pytest.raises(lcg.InvalidArgumentError, match="contiguous"):
+        buf.copy_from(np.zeros(2 * size, np.uint8)[::2])
+    # decode_chunk's device_state: the same checks
+    skeleton = codec.encode_skeleton(state)
+    chunker = codec.Chunker(state, "balanced")
+    stats = chunker.stats()
+    opened = codec.Stats(stats, hashlib.sha256(stats).digest())
+    chunk = chunker.chunk(0, 37, hashlib.sha256(stats).digest())
+    host = codec.skeleton_state(skeleton, 37)
+    with pytest.raises(lcg.InvalidArgumentError):
+        codec.decode_chunk(chunk, opened, host, device_state=_Foreign(buf, data=(buf.ptr, True)))
+    dev = lcg.DeviceBuffer(len(host))
+    dev.copy_from(host)
+    codec.decode_chunk(chunk, opened, host, device_state=_Foreign(dev, stream=2))
+    codec.decode_chunk(chunk, opened, host)
+    assert dev.to_host() == host
+
+
 CHECKS = [
     check_decode_matches_cpu,
+    check_device_targets_are_checked,
     check_chunks_match_cpu,
     check_golden_containers,
     check_bad_input_never_faults,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,8 +96,9 @@ def _view(data: Buffer) -> Any:
         return data
     try:
         return ffi.from_buffer(data)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"expected a bytes-like object, got {type(data).__name__}") from exc
+    except (TypeError, ValueError) as exc:  # (ValueError: a non-contiguous buffer)
+        what = type(data).__name__
+        raise InvalidArgumentError(f"expected a contiguous bytes-like object, got {what}") from exc
 
 
 def _params(
@@ -326,14 +328,14 @@ def decode_into(blob: Buffer, dst: Buffer | DeviceBuffer, *, threads: int | None
     bytes written. Reusing one buffer is the fast path: a fresh one costs its page faults (about
     as much as decoding, measured in bench/speed.py).
 
-    A DeviceBuffer, or any object with `__cuda_array_interface__` (CuPy, PyTorch, Numba: contiguous,
-    on the current device), is decoded into on the GPU."""
+    A DeviceBuffer, or any object with `__cuda_array_interface__` (CuPy, PyTorch, Numba: writable,
+    C-contiguous, unmasked, on the current device), is decoded into on the GPU, on the stream its
+    interface names (so after the work queued there; without one, the legacy default stream)."""
     src = _view(blob)
-    device = _device_pointer(dst)
+    device = _device_target(dst)
     if device is not None:
-        ptr, capacity = device
-        _check_room(src, capacity)
-        check(lib.lcg_decode_device(src, len(src), ffi.cast("void *", ptr), capacity, ffi.NULL))
+        _check_room(src, device.size)
+        check(lib.lcg_decode_device(src, len(src), device.ptr, device.size, device.stream))
         return decoded_size(src)
     written = ffi.new("size_t *")
     try:
@@ -368,65 +370,119 @@ def _device_name(device: str) -> None:
 
 
 class DeviceBuffer:
-    """Bytes in CUDA device memory (the current device), allocated by the library and freed when
-    collected. `__cuda_array_interface__` lets CuPy, PyTorch or Numba use it without a copy
-    (`torch.as_tensor(buf, device="cuda")`, `cupy.asarray(buf)`)."""
+    """Bytes in CUDA device memory (the current device), allocated by the library, not zeroed, and
+    freed when collected. `__cuda_array_interface__` lets CuPy, PyTorch or Numba use it without a
+    copy (`torch.as_tensor(buf, device="cuda")`, `cupy.asarray(buf)`)."""
+
+    __slots__ = ("_ptr", "_size")
 
     def __init__(self, size: int) -> None:
+        try:
+            n = operator.index(size)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"a device buffer's size is a whole number, not {size!r}") from exc
+        if not 0 <= n < 2**63:
+            raise InvalidArgumentError(f"a device buffer of {n} bytes")
         ptr = ffi.new("void **")
-        check(lib.lcg_device_alloc(int(size), ptr))
+        check(lib.lcg_device_alloc(n, ptr))
         self._ptr = ffi.gc(ptr[0], lib.lcg_device_free)
-        self.size = int(size)
+        self._size = n
+
+    @property
+    def size(self) -> int:
+        return self._size
 
     @property
     def ptr(self) -> int:
         return int(ffi.cast("uintptr_t", self._ptr))
 
     def __len__(self) -> int:
-        return self.size
+        return self._size
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        data = (self.ptr, False)
-        return {"shape": (self.size,), "typestr": "|u1", "data": data, "version": 3, "strides": None}
+        data = (self.ptr if self._size else 0, False)  # (a size of 0 exports no pointer)
+        return {"shape": (self._size,), "typestr": "|u1", "data": data, "version": 3, "strides": None}
 
     def to_host(self) -> bytearray:
         """A host copy of the bytes."""
-        out = bytearray(self.size)
-        if self.size:
-            check(lib.lcg_device_copy(ffi.from_buffer(out), self._ptr, self.size, ffi.NULL))
+        out = bytearray(self._size)
+        if self._size:
+            check(lib.lcg_device_copy(ffi.from_buffer(out), self._ptr, self._size, ffi.NULL))
         return out
 
     def copy_from(self, data: Buffer) -> None:
         """Overwrites the start of the buffer with host bytes."""
         src = _view(data)
-        if len(src) > self.size:
-            raise InvalidArgumentError(f"{len(src)} bytes do not fit a {self.size}-byte device buffer")
+        if len(src) > self._size:
+            raise InvalidArgumentError(f"{len(src)} bytes do not fit a {self._size}-byte device buffer")
         if len(src):
             check(lib.lcg_device_copy(self._ptr, src, len(src), ffi.NULL))
 
     def copy_to(self, dst: DeviceBuffer) -> None:
         """Device to device copy of the whole buffer into `dst` (at least as large)."""
-        if dst.size < self.size:
-            raise InvalidArgumentError(f"{self.size} bytes do not fit a {dst.size}-byte device buffer")
-        if self.size:
-            check(lib.lcg_device_copy(dst._ptr, self._ptr, self.size, ffi.NULL))
+        if not isinstance(dst, DeviceBuffer):
+            what = type(dst).__name__
+            raise InvalidArgumentError(f"copy_to: expected a DeviceBuffer, got {what} (see to_host)")
+        if dst.size < self._size:
+            raise InvalidArgumentError(f"{self._size} bytes do not fit a {dst.size}-byte device buffer")
+        if self._size:
+            check(lib.lcg_device_copy(dst._ptr, self._ptr, self._size, ffi.NULL))
 
 
-def _device_pointer(buf: Any) -> tuple[int, int] | None:
-    """(pointer, bytes) of a device buffer, or None for host memory."""
+@dataclass(frozen=True)
+class _DeviceTarget:
+    ptr: Any  # void *
+    size: int  # bytes
+    stream: Any  # cudaStream_t (NULL: the legacy default stream)
+
+
+def _device_target(buf: Any) -> _DeviceTarget | None:
+    """Where a decode on the GPU writes: a DeviceBuffer, or an object whose
+    `__cuda_array_interface__` (versions 0 to 3) describes writable, C-contiguous, unmasked device
+    memory; None for host memory. Anything else is refused here, before a kernel could write
+    through a pointer the caller did not mean."""
     if isinstance(buf, DeviceBuffer):
-        return buf.ptr, buf.size
+        return _DeviceTarget(ffi.cast("void *", buf.ptr), buf.size, ffi.NULL)
     iface = getattr(buf, "__cuda_array_interface__", None)
     if iface is None:
         return None
-    if iface.get("strides") is not None:
-        raise InvalidArgumentError("a device buffer must be contiguous")
-    itemsize = int(iface["typestr"][2:])
-    count = 1
-    for n in iface["shape"]:
-        count *= int(n)
-    return int(iface["data"][0]), count * itemsize
+    try:
+        version = operator.index(iface.get("version", 0))
+        shape = tuple(operator.index(n) for n in iface["shape"])
+        itemsize = np.dtype(iface["typestr"]).itemsize
+        ptr, readonly = iface["data"]
+        ptr = operator.index(ptr)
+        strides = iface.get("strides")
+        strides = None if strides is None else tuple(operator.index(n) for n in strides)
+        stream = iface.get("stream")
+        stream = None if stream is None else operator.index(stream)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise InvalidArgumentError(f"unreadable __cuda_array_interface__ ({why})") from exc
+    if not 0 <= version <= 3:
+        raise InvalidArgumentError(f"__cuda_array_interface__ version {version} (this library reads 0 to 3)")
+    if any(n < 0 for n in shape):
+        raise InvalidArgumentError(f"__cuda_array_interface__ shape {shape}")
+    if readonly:
+        raise InvalidArgumentError("the device array is read-only")
+    if iface.get("mask") is not None:
+        raise InvalidArgumentError("a masked device array cannot be decoded into")
+    size = itemsize
+    for n in shape:
+        size *= n
+    contiguous = [itemsize] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        contiguous[d] = contiguous[d + 1] * shape[d + 1]
+    if strides is not None and size and strides != tuple(contiguous):
+        raise InvalidArgumentError("a device array must be C-contiguous")
+    if not 0 <= ptr < 2**64:
+        raise InvalidArgumentError(f"__cuda_array_interface__ pointer {ptr:#x}")
+    if stream is None:
+        return _DeviceTarget(ffi.cast("void *", ptr), size, ffi.NULL)
+    if not 0 < stream < 2**64:  # (0 is ambiguous: 1 names the legacy default stream, 2 per-thread)
+        raise InvalidArgumentError(f"__cuda_array_interface__ stream {stream}")
+    return _DeviceTarget(ffi.cast("void *", ptr), size, ffi.cast("void *", stream))
 
 
 _CONTAINER_FIELDS = ("format_version", "part", "level")  # a raw state has none of these
@@ -610,15 +666,14 @@ def decode_chunk(
     its layout (cells, positions): its K/V bytes are left as they are."""
     c = _view(chunk)
     if device_state is not None:
-        device = _device_pointer(device_state)
+        device = _device_target(device_state)
         if device is None:
             raise InvalidArgumentError("device_state: expected a DeviceBuffer or __cuda_array_interface__")
-        ptr, capacity = device
-        if capacity < len(state):
-            raise InvalidArgumentError(f"device_state holds {capacity} bytes, the state {len(state)}")
+        if device.size < len(state):
+            raise InvalidArgumentError(f"device_state holds {device.size} bytes, the state {len(state)}")
         host = _view(state)
-        dev = ffi.cast("void *", ptr)
-        check(lib.lcg_decode_chunk_device(c, len(c), stats._handle, host, len(host), dev, ffi.NULL))
+        dev, stream = device.ptr, device.stream
+        check(lib.lcg_decode_chunk_device(c, len(c), stats._handle, host, len(host), dev, stream))
         return
     dst = ffi.from_buffer(state)
     check(lib.lcg_decode_chunk(c, len(c), stats._handle, _threads(threads), dst, len(state)))
