@@ -205,6 +205,20 @@ def test_a_chunk_computed_past_the_window_is_spliced(tmp_path: Path, name: str) 
 
 
 @pytest.mark.parametrize("name", [name for name, arch in ARCHITECTURES.items() if arch.slides])
+def test_a_window_without_swa_full_is_saved_whole_saying_which_setting_chunks_it(
+    tmp_path: Path, name: str
+) -> None:
+    """Past its window a sliding cache without swa_full holds the window's positions only, which
+    chunks cannot be cut from: the context is saved whole, and the report says what would let it
+    save in chunks (it named several sequences, SWA or empty alike)."""
+    path = ARCHITECTURES[name].write(tmp_path / f"{name}.gguf")
+    llm = lcg.Llama(str(path), n_ctx=1024, n_ubatch=64, swa_full=False, verbose=False)
+    llm.eval(TOKENS)
+    report = chunks.save_chunked(llm, tmp_path / "ctx", levels=("lossless",), chunk_tokens=64)
+    assert report.chunk_tokens is None and "swa_full=True" in (report.fallback or ""), report.fallback
+
+
+@pytest.mark.parametrize("name", [name for name, arch in ARCHITECTURES.items() if arch.slides])
 def test_a_shorter_prefix_after_a_load_is_computed_again_where_the_window_lost_it(
     tmp_path: Path, name: str
 ) -> None:

@@ -440,7 +440,7 @@ def save_chunked(
     lossy = lossy_level(llm, seq_id, meta.tokens)
     better = [lv for lv in levels if lossy is not None and better_level(lv, lossy)]
     if not info["chunkable"]:
-        fallback = "the state is not one sequence at positions 0..n-1 (several sequences, SWA or empty)"
+        fallback = _unchunkable(meta.fingerprint)
     elif meta.fingerprint.get("attention") is not None:
         fallback = f"{meta.fingerprint['attention']} attention: a prefix's K/V saw the tokens after it"
     elif info["positions"] != (0, n):
@@ -482,6 +482,18 @@ def save_chunked(
         encode_ms=(total_s - uploads.wait_s) * 1e3,
         write_ms=uploads.wait_s * 1e3,
     )
+
+
+def _unchunkable(fingerprint: dict[str, Any]) -> str:
+    """Why a state cannot be cut into one sequence's token chunks, and what to change where a
+    setting is the likely cause."""
+    why = "the state is not one sequence at positions 0..n-1 (several sequences, or positions missing)"
+    if fingerprint.get("swa_full") is False:
+        why += (
+            "; a sliding-window cache without swa_full keeps the window's last positions only:"
+            " a context made with swa_full=True keeps every position and saves in chunks"
+        )
+    return why
 
 
 def _put_missing(store: stores.Store, uploads: _Uploads, key: str, data: bytes) -> bool:
