@@ -910,7 +910,8 @@ class _Loader:
         if shown is None or job is None:  # nothing in flight, or not late
             return False
         j = job.index
-        if self.plan[j] != job.level or self.done[j]:  # a race against the CPU, or an upgrade
+        # a race against the CPU (begun by the link, or by the CPU), or an upgrade
+        if self.plan[j] != job.level or j == self.computing or self.done[j]:
             return False
         size = self._size(j, job.level)
         arrival = self._link_end(now) + self._decode_s(job.level, size)
@@ -1271,13 +1272,14 @@ class _Loader:
         """(holds cv) The CPU computes the chunk of a fetch in flight, or one that failed: the
         fetch goes and frees the link, the chunk is text. A failed one is reported, and the chunk
         is not raced again (_race_computing)."""
-        i = job.index
-        del self.jobs[i]
+        i, rec = job.index, self.records[job.index]
+        self.jobs.pop(i, None)
         if job.done.is_set() and job.error is not None:
             self._fail(i, job.level, job.error, "could not be fetched")
             self.kept.add(i)
         self._abandon(job)
-        self.records[i].fetch_ms = job.seconds * 1e3
+        rec.bytes += job.bytes  # (0 unless it arrived whole: it took the link all the same)
+        rec.fetch_ms += job.seconds * 1e3
         self._claim(i, "raced")
 
     def _report(self, i: int) -> None:
@@ -1334,8 +1336,8 @@ class _Loader:
             self.fallback = f"{self.failures[-1]}; chunks from {i} on not in the buffer computed from text"
             for k in [k for k, d in enumerate(self.done) if not d]:
                 stale = self.jobs.get(k)
-                if k == self.computing:  # computed already, for its own reason (or a race: won)
-                    if stale is not None:
+                if k == self.computing:  # computed already, for its own reason (or a race: won,
+                    if stale is not None and not self._arrived(k):  # unless its fetch is in whole)
                         self._race_won(stale)
                     continue
                 self._claim(k, "failed")
