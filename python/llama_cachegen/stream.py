@@ -1336,8 +1336,10 @@ class _Loader:
             self.fallback = f"{self.failures[-1]}; chunks from {i} on not in the buffer computed from text"
             for k in [k for k, d in enumerate(self.done) if not d]:
                 stale = self.jobs.get(k)
-                if k == self.computing:  # computed already, for its own reason (or a race: won,
-                    if stale is not None and not self._arrived(k):  # unless its fetch is in whole)
+                if k == self.computing:
+                    # computed for its own reason; a race it runs is won, unless its fetch has
+                    # arrived whole (the next piece stops for it)
+                    if stale is not None and not self._arrived(k):
                         self._race_won(stale)
                     continue
                 self._claim(k, "failed")
