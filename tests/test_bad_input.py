@@ -460,3 +460,45 @@ def test_rope_positions_come_from_the_layouts_cells() -> None:
     state = seq_buffer(_memory(far, 1, rotated(far)))
     out = codec.decode(codec.encode(state, "balanced", threads=1, sink_tokens=0, rope=rope), threads=1)
     assert len(out) == len(state)
+
+
+def test_statistics_with_a_step_or_mean_that_is_not_finite_are_refused() -> None:
+    """An encoder writes finite steps and means only. A forged NaN or inf there made every value
+    of its unit or group NaN, whose payload the decoders did not agree on (the AVX2 path kept it,
+    the scalar and GPU code write one quiet NaN): found by fuzzing the device path against the
+    CPU. Every 2-byte position of a statistics object set to NaN or inf, resealed: either refused
+    as not finite (or otherwise corrupt), or a chunk decodes without a NaN."""
+    import hashlib
+
+    rng = np.random.default_rng(3)
+    state = seq_buffer(kv_cache_bytes(rng, n_layer=2, n_embd=24, cells_per_stream=(20,), v_trans=True))
+    chunker = codec.Chunker(state, "balanced")
+    stats = chunker.stats()
+    skeleton = codec.encode_skeleton(state)
+    sid = hashlib.sha256(stats).digest()
+    reference = codec.skeleton_state(skeleton, 20)
+    codec.decode_chunk(chunker.chunk(0, 20, sid), codec.Stats(stats, sid), reference)
+
+    def nans(buf: bytes | bytearray) -> int:
+        v = np.frombuffer(bytes(buf), np.uint16)
+        return int((((v & 0x7C00) == 0x7C00) & ((v & 0x3FF) != 0)).sum())
+
+    refused = 0
+    for off in range(HEADER, len(stats) - 1):
+        for value in (b"\x00\x7e", b"\x00\x7c"):  # NaN, inf
+            mutant = bytearray(stats)
+            mutant[off : off + 2] = value
+            reseal(mutant)
+            sid = hashlib.sha256(mutant).digest()
+            try:
+                opened = codec.Stats(bytes(mutant), sid)
+            except lcg.CacheGenError as e:
+                refused += "is not finite" in str(e)
+                continue
+            out = codec.skeleton_state(skeleton, 20)
+            try:
+                codec.decode_chunk(chunker.chunk(0, 20, sid), opened, out)
+            except lcg.CacheGenError:
+                continue
+            assert nans(out) == nans(reference), (off, value)
+    assert refused >= 2 * 4 * 24, refused  # at least every mean of the 4 tensors, as NaN and as inf

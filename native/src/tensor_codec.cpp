@@ -1487,14 +1487,22 @@ TensorStats read_stats(ByteReader & r, const TensorDesc & stored) {
                   "tensor statistics for %u units in %zu bytes", t.n_units, r.remaining());
         s.step_f16.resize(s.n_groups);
         s.shrink_u8.resize(s.n_groups);
+        // An encoder writes finite steps and means only (a tensor whose would not be is coded
+        // losslessly): with them a reconstruction is never NaN, whose payload the decoders would
+        // not agree on (F16C keeps it, the scalar and GPU code make one quiet NaN).
+        auto finite = [](uint16_t h) { return (h & 0x7c00) != 0x7c00; };
         for (uint32_t gi = 0; gi < s.n_groups; gi++) {
             s.step_f16[gi] = r.u16();
             s.shrink_u8[gi] = r.u8();
+            LCG_CHECK(finite(s.step_f16[gi]), LCG_ERR_CORRUPT, "tensor statistics: step 0x%04x is not finite",
+                      s.step_f16[gi]);
             LCG_CHECK(s.shrink_u8[gi] < 128, LCG_ERR_CORRUPT, "reconstruction offset %u/256", s.shrink_u8[gi]);
         }
         s.mean_f16.resize(t.n_units);
         for (uint32_t u = 0; u < t.n_units; u++) {
             s.mean_f16[u] = r.u16();
+            LCG_CHECK(finite(s.mean_f16[u]), LCG_ERR_CORRUPT, "tensor statistics: mean 0x%04x is not finite",
+                      s.mean_f16[u]);
         }
     } else {
         s.plane_stored.resize(t.unit_bytes);
