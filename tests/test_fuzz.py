@@ -8,7 +8,8 @@ whatever container format the native library writes. A longer campaign: run this
 by hand with a larger FUZZ_MUTANTS and other FUZZ_SEED values. The same mutants run once more on
 the library built with AddressSanitizer and UBSan (LCG_SANITIZE), where a read out of bounds that
 happens not to crash fails too; that build is kept in the cache folder, keyed by the native
-sources, so a later run with the same sources skips it.
+sources, so a later run with the same sources skips it. That build's emulator of the CUDA backend
+runs the device path's corrupt-stream and chunk checks (tests/test_cuda.py) too.
 """
 
 from __future__ import annotations
@@ -174,27 +175,31 @@ def test_mutants_raise_only_cachegen_errors() -> None:
         )
 
 
-def _sanitized_library() -> Path:
-    """libllama_cachegen built with LCG_SANITIZE, in the cache folder under a hash of the sources."""
+def _sanitized_build() -> Path:
+    """libllama_cachegen and the CUDA backend's emulator built with LCG_SANITIZE, in the cache
+    folder under a hash of the sources."""
     sources = [ROOT / "CMakeLists.txt", *sorted((ROOT / "native").rglob("*.[ch]*"))]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
     build = cache_dir() / f"asan-build-{digest}"
-    library = build / "libllama_cachegen.so"
-    if not library.is_file():
+    if not all((build / name).is_file() for name in _SANITIZED):
         for old in cache_dir().glob("asan-build-*"):  # other sources' builds
             shutil.rmtree(old, ignore_errors=True)
         # gcc's: the runtimes preloaded are gcc's (a CC=clang build would need clang's)
         config = ["-DLCG_SANITIZE=ON", "-DLCG_CUDA=OFF", "-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
         config += ["-DCMAKE_C_COMPILER=gcc", "-DCMAKE_CXX_COMPILER=g++"]
+        targets = [name.removeprefix("lib").removesuffix(".so") for name in _SANITIZED]
         for command in (
             ["cmake", "-S", ROOT, "-B", build, *config],
-            ["cmake", "--build", build, "--target", "llama_cachegen", "-j", str(os.cpu_count() or 1)],
+            ["cmake", "--build", build, "--target", *targets, "-j", str(os.cpu_count() or 1)],
         ):
             proc = subprocess.run(command, capture_output=True, text=True)
             assert proc.returncode == 0, (
                 f"{command[:2]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             )
-    return library
+    return build
+
+
+_SANITIZED = ("libllama_cachegen.so", "libllama_cachegen_cuda_emu.so")
 
 
 def test_mutants_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path) -> None:
@@ -206,7 +211,9 @@ def test_mutants_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path
         pytest.skip("needs cmake and gcc's sanitizer runtimes")
     package = tmp_path / "llama_cachegen"  # the installed package, with the sanitized library
     shutil.copytree(Path(llama_cachegen.__file__).parent, package)
-    shutil.copy(_sanitized_library(), package / "libllama_cachegen.so")
+    build = _sanitized_build()
+    for name in _SANITIZED:
+        shutil.copy(build / name, package / name)
     env = dict(
         os.environ,
         PYTHONPATH=str(tmp_path),
@@ -223,3 +230,15 @@ def test_mutants_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path
     ).stdout
     assert str(package / "libllama_cachegen.so") in loaded and "libasan" in loaded  # the fuzzer's library
     assert _fuzz(env)["mutants"] > 0
+    # the device path on the emulator: corrupt streams and chunks through the host's plans and the
+    # kernels' per-lane code (a fault there is a read or write out of bounds on a GPU)
+    env["LCG_CUDA_LIBRARY"] = str(package / "libllama_cachegen_cuda_emu.so")
+    checks = "test_cuda.check_bad_input_never_faults(); test_cuda.check_chunks_match_cpu(); print('ok')"
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import test_cuda; {checks}"],
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -87,7 +87,9 @@ int alloc(void ** ptr, size_t size, char * msg, size_t msg_size) {
 void release(void * ptr) { std::free(ptr); }
 
 int copy(void * dst, const void * src, size_t size, void *, char *, size_t) {
-    std::memmove(dst, src, size);
+    if (size > 0) {  // (statistics without tables copy nothing, from a null pointer)
+        std::memmove(dst, src, size);
+    }
     return LCG_OK;
 }
 
