@@ -347,6 +347,36 @@ def test_versions_are_pinned() -> None:
     assert lcg.version() == (400, 4)
 
 
+def test_the_library_exports_its_c_api_only() -> None:
+    """Its dynamic symbols are lcg_* (a version script): the C++ standard library's weak template
+    instances were exported too (17), which another copy in the process could bind to."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nm") is None:
+        pytest.skip("nm is not installed")
+    library = Path(lcg.__file__).parent / "libllama_cachegen.so"
+    command = ["nm", "-D", "--defined-only", str(library)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    names = [line.split()[-1] for line in out.stdout.splitlines() if line.strip()]
+    assert names and all(n.startswith("lcg_") for n in names), [n for n in names if not n.startswith("lcg_")]
+    assert "lcg_decode" in names and "lcg_skeleton_state" in names
+
+
+def test_a_skeleton_state_needs_written_only_for_a_size_query() -> None:
+    from conftest import kv_cache_bytes, seq_buffer
+    from llama_cachegen._native import ffi, lib
+
+    state = seq_buffer(kv_cache_bytes(np.random.default_rng(2), n_embd=16, cells_per_stream=(5,)))
+    skeleton = codec.encode_skeleton(state)
+    size = len(codec.skeleton_state(skeleton, 3))
+    dst = bytearray(size)
+    assert lib.lcg_skeleton_state(skeleton, len(skeleton), 3, ffi.from_buffer(dst), size, ffi.NULL) == 0
+    assert bytes(dst) == bytes(codec.skeleton_state(skeleton, 3))
+    status = lib.lcg_skeleton_state(skeleton, len(skeleton), 3, ffi.NULL, 0, ffi.NULL)
+    assert status == lib.LCG_ERR_INVALID_ARGUMENT  # the size query needs somewhere to answer
+
+
 @pytest.mark.parametrize("name", ["seq_v_transposed", "seq_q8_0", "seq_f32_bf16"])
 def test_simd_and_scalar_paths_write_the_same_bytes(
     states: dict[str, bytes], name: str, tmp_path: Path

@@ -10,8 +10,12 @@
  * byte-identical everywhere at LCG_LEVEL_LOSSLESS).
  *
  * Conventions
- *  - Every function returning int returns LCG_OK (0) or a negative lcg_status.
+ *  - Every function returning int returns LCG_OK (0) or a negative lcg_status (except
+ *    lcg_cuda_available, a device count).
  *  - On error, lcg_last_error() gives a message for the calling thread that says what was found.
+ *  - n_threads arguments: <= 0 uses every core; no more threads start than there are pieces of
+ *    work (tensors, slices). state_kind arguments: an lcg_state_kind, LCG_KIND_AUTO (0) detects it.
+ *  - size_t * written arguments may be NULL, except where the call answers a size query.
  *  - Input buffers are never written to. Untrusted containers are safe to decode: every length is
  *    checked against the buffer and against LCG_MAX_* bounds before anything is allocated.
  *  - Buffers returned by the library are freed with lcg_free() (NULL is accepted).
@@ -110,8 +114,9 @@ typedef enum {
 } lcg_part;
 
 typedef struct {
-    uint32_t struct_size;   /* sizeof(lcg_encode_params), set by lcg_encode_default_params: lets the
-                               struct grow without breaking callers built against an older header */
+    uint32_t struct_size;   /* sizeof(lcg_encode_params), set by lcg_encode_default_params: a
+                               library with another layout refuses the call
+                               (LCG_ERR_INVALID_ARGUMENT) instead of misreading the struct        */
     int32_t level;          /* lcg_level                                                        */
     int32_t state_kind;     /* lcg_state_kind; LCG_KIND_AUTO detects it                          */
     int32_t n_threads;      /* <= 0: all cores                                                  */
@@ -147,7 +152,9 @@ typedef struct {
      * the container's size; the container is written into the memory it returns and *out is that
      * pointer (the caller's; NULL from out_alloc: LCG_ERR_OUT_OF_MEMORY). It encodes straight into
      * memory the caller manages (a language's byte string, a shared or registered buffer) without
-     * a copy: a 40 MB container's copy cost a lossless encode a tenth of its time. */
+     * a copy: a 40 MB container's copy cost a lossless encode a tenth of its time. If the encode
+     * fails after out_alloc, that memory stays the caller's and *out is not set. Only lcg_encode
+     * calls it: the chunker's objects are the library's (lcg_free). */
     void * (*out_alloc)(void * ctx, size_t size);
     void *   out_alloc_ctx;
     /* Error weights, to split a level's error by each tensor's sensitivity (measured by
@@ -218,7 +225,8 @@ LCG_API uint32_t lcg_format_version(void);
 
 /* Name of a status code ("LCG_ERR_CHECKSUM"); never NULL. */
 LCG_API const char * lcg_status_name(int status);
-/* Message of the last failing call on this thread; "" if none. Valid until the next call. */
+/* Message of this thread's last call, if it failed; "" after one that succeeded. Valid until the
+ * next call. */
 LCG_API const char * lcg_last_error(void);
 
 /* Default parameters: LCG_LEVEL_BALANCED, auto kind, all cores, level presets. */
@@ -285,8 +293,9 @@ LCG_API int lcg_chunker_encode(lcg_chunker * chunker, uint32_t pos_begin, uint32
 LCG_API void lcg_chunker_free(lcg_chunker * chunker);
 
 /* Opens a statistics object for decoding chunks: verifies its checksums and expands its tables
- * once (tens of MB for a 7B model: keep one handle per statistics object, not per chunk).
- * stats_id (32 bytes) is the caller's hash of the bytes; chunks naming another id are refused. */
+ * once (tens of MB for a 7B model: keep one handle per statistics object, not per chunk); the
+ * handle keeps what it needs, so the bytes may be freed once it is open. stats_id (32 bytes) is
+ * the caller's hash of the bytes; chunks naming another id are refused. */
 LCG_API int lcg_stats_open(const void * stats, size_t stats_size, const uint8_t * stats_id, int32_t n_threads,
                            lcg_stats ** out);
 LCG_API void lcg_stats_free(lcg_stats * stats);

@@ -305,9 +305,13 @@ int lcg_encode_skeleton(const void * state, size_t state_size, int32_t state_kin
 int lcg_skeleton_state(const void * skeleton, size_t skeleton_size, uint32_t n_pos, void * dst, size_t dst_capacity,
                        size_t * written) {
     return guarded([&] {
-        LCG_CHECK(skeleton != nullptr && written != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
-        *written = skeleton_state(static_cast<const uint8_t *>(skeleton), skeleton_size, n_pos,
-                                  static_cast<uint8_t *>(dst), dst_capacity);
+        LCG_CHECK(skeleton != nullptr && (written != nullptr || dst != nullptr), LCG_ERR_INVALID_ARGUMENT,
+                  "NULL argument (written answers the size query of a NULL dst)");
+        const size_t n = skeleton_state(static_cast<const uint8_t *>(skeleton), skeleton_size, n_pos,
+                                        static_cast<uint8_t *>(dst), dst_capacity);
+        if (written != nullptr) {
+            *written = n;
+        }
     });
 }
 
