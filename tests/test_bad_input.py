@@ -502,3 +502,17 @@ def test_statistics_with_a_step_or_mean_that_is_not_finite_are_refused() -> None
                 continue
             assert nans(out) == nans(reference), (off, value)
     assert refused >= 2 * 4 * 24, refused  # at least every mean of the 4 tensors, as NaN and as inf
+
+
+def test_a_state_buffer_cut_short_says_so() -> None:
+    """A chunk decoded into a state buffer one byte short: the error names the shortfall and a
+    buffer cut short (it named recurrent models only)."""
+    import hashlib
+
+    state = seq_buffer(kv_cache_bytes(np.random.default_rng(2), n_embd=16, cells_per_stream=(40,)))
+    chunker = codec.Chunker(state, "balanced")
+    stats = chunker.stats()
+    sid = hashlib.sha256(stats).digest()
+    short = codec.skeleton_state(codec.encode_skeleton(state), 40)[:-1]
+    with pytest.raises(lcg.UnsupportedFormatError, match=r"only \d+ left\): a buffer cut short"):
+        codec.decode_chunk(chunker.chunk(0, 40, sid), codec.Stats(stats, sid), bytearray(short))

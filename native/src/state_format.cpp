@@ -298,8 +298,8 @@ ParsedState parse_state(const uint8_t * data, size_t size, int32_t kind) {
     }
     st.tail_offset = r.pos();
     LCG_CHECK(st.n_caches > 0 || r.remaining() == 0, LCG_ERR_UNSUPPORTED_FORMAT,
-              "%s: the %zu bytes at offset %zu are not a KV cache this library reads (%s; a recurrent "
-              "model, such as Mamba or RWKV, writes none)",
+              "%s: the %zu bytes at offset %zu are not a KV cache this library reads (%s): a buffer cut "
+              "short, or the state of a model that holds none (a recurrent model, such as Mamba or RWKV)",
               state_kind_name(st.kind), r.remaining(), r.pos(), first_error.c_str());
 
     uint64_t at = 0;
