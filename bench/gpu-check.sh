@@ -3,8 +3,9 @@
 # with the kernels for that GPU, run tests/test_cuda.py (the GPU checks run in-process there, with
 # the conversion check over every f32; the emulated ones run everywhere else), the bad-input check
 # under compute-sanitizer, then bench/cuda.py. Logs go to $OUT (default /tmp/gpu-check);
-# LCG_NCU=1 adds a profile of the decode kernel. Needs nvcc, cmake, numpy, pytest and cffi in the
-# python3 it finds (the device tool's machines lack cffi: carry its wheel).
+# LCG_NCU=1 adds a profile of the decode kernel, LCG_BASELINE=DIR an A/B against another tree's.
+# Needs nvcc, cmake, numpy, pytest and cffi in the python3 it finds (the device tool's machines
+# lack cffi: carry its wheel).
 #
 #     OUT=/tmp/gpu bash bench/gpu-check.sh [bench/cuda.py arguments]
 set -uo pipefail
@@ -29,6 +30,24 @@ if command -v compute-sanitizer >/dev/null; then
     2>&1 | tail -15 | tee "$OUT/sanitizer.txt"
 fi
 timeout 300 python3 bench/cuda.py "$@" 2>&1 | tee "$OUT/bench_cuda.txt"
+# LCG_BASELINE=DIR (another tree's checkout, e.g. `git worktree add` of an older commit, carried
+# along): its backend built beside this one, and the bench run under each in turn, twice, on the
+# same warm GPU (LCG_CUDA_LIBRARY picks the backend; the plan ABI must match: cuda/plan.h).
+if [ -n "${LCG_BASELINE:-}" ]; then
+  for tree in "$LCG_BASELINE" .; do
+    name=$([ "$tree" = . ] && echo current || echo baseline)
+    nvcc -arch=sm_"$ARCH" --fmad=false -std=c++17 -O3 -shared -Xcompiler -fPIC -cudart static \
+      -I"$tree"/native/include -I"$tree"/native/src "$tree"/native/src/cuda/decode.cu \
+      -o /tmp/lcg-backend-$name.so || exit 1
+  done
+  for run in 1 2; do
+    for name in baseline current; do
+      echo "== $name (run $run)" | tee -a "$OUT/bench_ab.txt"
+      LCG_CUDA_LIBRARY=/tmp/lcg-backend-$name.so timeout 150 python3 bench/cuda.py "$@" 2>&1 \
+        | tee -a "$OUT/bench_ab.txt"
+    done
+  done
+fi
 # LCG_NCU=1: one launch of the decode kernel (balanced) under Nsight Compute
 if [ -n "${LCG_NCU:-}" ] && command -v ncu >/dev/null; then
   timeout 180 ncu --kernel-name decode_slices --launch-skip 0 --launch-count 1 --section SpeedOfLight \
