@@ -3,6 +3,7 @@ unknown formats; and the synthetic layouts SmolLM2 cannot produce still round-tr
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from pathlib import Path
 
@@ -468,8 +469,6 @@ def test_statistics_with_a_step_or_mean_that_is_not_finite_are_refused() -> None
     the scalar and GPU code write one quiet NaN): found by fuzzing the device path against the
     CPU. Every 2-byte position of a statistics object set to NaN or inf, resealed: either refused
     as not finite (or otherwise corrupt), or a chunk decodes without a NaN."""
-    import hashlib
-
     rng = np.random.default_rng(3)
     state = seq_buffer(kv_cache_bytes(rng, n_layer=2, n_embd=24, cells_per_stream=(20,), v_trans=True))
     chunker = codec.Chunker(state, "balanced")
@@ -507,8 +506,6 @@ def test_statistics_with_a_step_or_mean_that_is_not_finite_are_refused() -> None
 def test_a_state_buffer_cut_short_says_so() -> None:
     """A chunk decoded into a state buffer one byte short: the error names the shortfall and a
     buffer cut short (it named recurrent models only)."""
-    import hashlib
-
     state = seq_buffer(kv_cache_bytes(np.random.default_rng(2), n_embd=16, cells_per_stream=(40,)))
     chunker = codec.Chunker(state, "balanced")
     stats = chunker.stats()

@@ -316,11 +316,13 @@ def decode(
     return dst
 
 
-def _check_room(src: Any, capacity: int) -> None:
-    """The caller's buffer is the caller's to size: too small is their error, not the library's."""
+def _check_room(src: Any, capacity: int) -> int:
+    """The caller's buffer is the caller's to size: too small is their error, not the library's.
+    Returns the size the state needs."""
     need = decoded_size(src)
     if capacity < need:
         raise InvalidArgumentError(f"the buffer holds {capacity} bytes, the state needs {need}")
+    return need
 
 
 def decode_into(blob: Buffer, dst: Buffer | DeviceBuffer, *, threads: int | None = None) -> int:
@@ -334,9 +336,9 @@ def decode_into(blob: Buffer, dst: Buffer | DeviceBuffer, *, threads: int | None
     src = _view(blob)
     device = _device_target(dst)
     if device is not None:
-        _check_room(src, device.size)
+        need = _check_room(src, device.size)
         check(lib.lcg_decode_device(src, len(src), device.ptr, device.size, device.stream))
-        return decoded_size(src)
+        return need
     written = ffi.new("size_t *")
     try:
         out = ffi.from_buffer(dst, require_writable=True)

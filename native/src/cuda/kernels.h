@@ -135,11 +135,14 @@ LCG_HD inline void store_value(uint8_t * p, bool aligned, float v) {
     store_bytes(p, h, 2);
 }
 
-// Row and unit of element (line o, i) of the object (TensorJob.grouped).
-LCG_HD inline uint64_t row_of(const TensorJob & t, uint64_t o, uint64_t i) {
+// Row and unit of element (line o, i) of the object (TensorJob.grouped), in 64 bits or, within a
+// slice (Lane), 32.
+template <class I>
+LCG_HD inline I row_of(const TensorJob & t, I o, I i) {
     return t.grouped ? i >> t.group_shift : t.transposed ? i : o;
 }
-LCG_HD inline uint64_t unit_of(const TensorJob & t, uint64_t o, uint64_t i) {
+template <class I>
+LCG_HD inline I unit_of(const TensorJob & t, I o, I i) {
     return t.grouped ? o << t.group_shift | (i & ((1u << t.group_shift) - 1)) : t.transposed ? o : i;
 }
 
@@ -202,21 +205,13 @@ LCG_HD inline Walk walk_open(const Args & a, uint32_t slice, const Table * table
     return w;
 }
 
-// Row and unit of the lane's element (TensorJob.grouped).
-LCG_HD inline uint32_t lane_row(const Walk & w, const Lane & l) {
-    return w.t.grouped ? l.i >> w.t.group_shift : w.t.transposed ? l.i : l.o;
-}
-LCG_HD inline uint32_t lane_unit(const Walk & w, const Lane & l) {
-    return w.t.grouped ? l.o << w.t.group_shift | (l.i & ((1u << w.t.group_shift) - 1)) : w.t.transposed ? l.o : l.i;
-}
-
 // The cached fields of the lane's unit (past the slice's end: never read).
 template <class K>
 LCG_HD inline void lane_unit_fields(const Args & a, const Walk & w, Lane & l) {
     if (l.e >= w.n) {
         return;
     }
-    const uint32_t unit = lane_unit(w, l), g = unit >> w.t.group_shift;
+    const uint32_t unit = unit_of(w.t, l.o, l.i), g = unit >> w.t.group_shift;
     l.table = w.tables + g;
     l.unit_at = w.t.dst + unit * w.t.unit_stride;
     if (K::LOSSY) {
@@ -268,7 +263,7 @@ LCG_HD inline void lane_store(const Args & a, const Walk & w, const Lane & l) {
     if (!l.active) {
         return;
     }
-    const uint32_t row = lane_row(w, l);
+    const uint32_t row = row_of(w.t, l.o, l.i);
     const uint32_t cell = w.t.rows == ~0ull ? row : LCG_LDG(reinterpret_cast<const uint32_t *>(a.arena + w.t.rows) + row);
     uint8_t * p = a.dst + l.unit_at + cell * w.t.cell_stride;
     if (K::LOSSY) {
