@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from pathlib import Path
+from typing import Any
 
 import llama_cachegen as lcg
 import numpy as np
@@ -393,19 +394,75 @@ def test_raw_bits_are_checked() -> None:
             lcg.decode(reseal(bad))
 
 
-def test_an_older_params_struct_is_refused() -> None:
-    """A caller built against an older header passes a smaller lcg_encode_params: refused by its
-    struct_size before anything past it is read (ASan would see the read)."""
+def _struct(name: str, size: int, fill: int = 0) -> tuple[Any, Any]:
+    """A caller's `name` of `size` bytes (another header's layout), every byte `fill`; returns the
+    pointer and the memory it points into (keep it alive)."""
+    memory = codec.ffi.new("uint8_t[]", [fill] * size)
+    struct_ = codec.ffi.cast(f"{name} *", memory)
+    struct_.struct_size = size
+    return struct_, memory
+
+
+def test_parameter_structs_of_other_layouts() -> None:
+    """lcg_encode_params as the header's growth rule says: a struct smaller than this version's (an
+    older header) or of size 0 or absurd is refused before anything past struct_size is read (ASan
+    would see the read); a newer caller's larger struct is accepted when the fields this library
+    does not know are 0 (the same container) and refused, naming the byte, when one is set;
+    reserved fields must be 0; lcg_encode_params_init fills defaults and zeroes a larger tail."""
     ffi, lib = codec.ffi, codec.lib
-    size = ffi.sizeof("lcg_encode_params") - 16  # 0.3's, before out_alloc and its context
-    buffer = ffi.new("char[]", size)  # kept alive: params points into it
-    params = ffi.cast("lcg_encode_params *", buffer)
-    params.struct_size = size
+    ours = ffi.sizeof("lcg_encode_params")
     state = golden_state()
     out, out_size = ffi.new("void **"), ffi.new("size_t *")
-    status = lib.lcg_encode(codec._view(state), len(state), params, out, out_size)
-    with pytest.raises(lcg.InvalidArgumentError, match="struct_size"):
-        codec.check(status)
+
+    def encode(params: Any) -> bytes:
+        codec.check(lib.lcg_encode(codec._view(state), len(state), params, out, out_size))
+        return codec._take(out, out_size)
+
+    for size, match in [(ours - 16, "older than 0.5"), (0, "is 0"), (1 << 20, "not a size")]:
+        params, _memory = _struct("lcg_encode_params", ours)
+        params.struct_size = size
+        with pytest.raises(lcg.InvalidArgumentError, match=match):
+            codec.check(lib.lcg_encode(codec._view(state), len(state), params, out, out_size))
+        with pytest.raises(lcg.InvalidArgumentError, match=match):
+            codec.check(lib.lcg_encode_params_init(params, size))
+    reference = lcg.encode(state, "balanced")
+    larger, memory = _struct("lcg_encode_params", ours + 24, fill=0xA5)
+    codec.check(lib.lcg_encode_params_init(larger, ours + 24))
+    assert larger.struct_size == ours + 24 and larger.level == lib.LCG_LEVEL_BALANCED
+    assert bytes(ffi.buffer(memory))[ours:] == bytes(24)
+    assert encode(larger) == reference
+    memory[ours + 5] = 1  # a newer caller asks for something
+    with pytest.raises(lcg.InvalidArgumentError, match=f"byte {ours + 5} .*does not know"):
+        encode(larger)
+    params, _memory = _struct("lcg_encode_params", ours)
+    codec.check(lib.lcg_encode_params_init(params, ours))
+    assert encode(params) == reference
+    params.reserved1 = 7
+    with pytest.raises(lcg.InvalidArgumentError, match="reserved"):
+        encode(params)
+
+
+def test_info_structs_of_other_layouts() -> None:
+    """lcg_info: a newer caller's larger struct gets this library's fields and 0 in the rest (its
+    struct_size kept); smaller, 0 or absurd sizes are refused and nothing is written."""
+    ffi, lib = codec.ffi, codec.lib
+    ours = ffi.sizeof("lcg_info")
+    blob, state = golden_container("balanced"), golden_state()
+    for call, src in (
+        (lambda i: lib.lcg_inspect(blob, len(blob), i), blob),
+        (lambda i: lib.lcg_inspect_state(state, len(state), 0, i), state),
+    ):
+        larger, memory = _struct("lcg_info", ours + 32, fill=0xA5)
+        codec.check(call(larger))
+        assert larger.struct_size == ours + 32 and bytes(ffi.buffer(memory))[ours:] == bytes(32)
+        expected = codec.inspect(src) if src is blob else codec.inspect_state(src)
+        assert larger.n_cells == expected["cells"] and larger.n_tensors == expected["tensors"]
+        for size, match in [(ours - 8, "older than 0.5"), (0, "is 0"), (1 << 20, "not a size")]:
+            info, memory = _struct("lcg_info", ours, fill=0xA5)
+            info.struct_size = size
+            with pytest.raises(lcg.InvalidArgumentError, match=match):
+                codec.check(call(info))
+            assert bytes(ffi.buffer(memory))[4:] == b"\xa5" * (ours - 4)
 
 
 def test_golden_bad_containers_fail() -> None:

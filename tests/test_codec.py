@@ -344,7 +344,7 @@ def test_inspect_reports_layout_and_sizes(state_fa_off: bytes) -> None:
 
 
 def test_versions_are_pinned() -> None:
-    assert lcg.version() == (400, 4)
+    assert lcg.version() == (500, 4)
 
 
 def test_the_library_exports_its_c_api_only() -> None:

@@ -19,6 +19,14 @@
  *  - Input buffers are never written to. Untrusted containers are safe to decode: every length is
  *    checked against the buffer and against LCG_MAX_* bounds before anything is allocated.
  *  - Buffers returned by the library are freed with lcg_free() (NULL is accepted).
+ *  - lcg_encode_params and lcg_info start with struct_size, the sizeof the caller's header gives
+ *    them, so that either side can add fields at the end without breaking the other's binaries (the
+ *    rule of Linux's openat2/clone3 structs): a library reads or writes only the caller's
+ *    struct_size bytes; fields it knows and the caller's struct lacks take their defaults
+ *    (parameters) or are not reported (info); a caller's fields it does not know must be 0
+ *    (parameters: else LCG_ERR_INVALID_ARGUMENT) or are written 0 (info). Sizes below this
+ *    version's (0.5, the first with this rule) are refused. Fields named reserved are 0 (a caller
+ *    sets them so, as lcg_encode_params_init does; the library writes them so).
  *  - Container byte layout: docs/format.md. llama.cpp layouts read: docs/llama-state.md.
  *
  * The declarations between the cffi markers below are read verbatim by the Python binding
@@ -40,7 +48,7 @@
 
 /* Library version (the container format has its own version: LCG_FORMAT_VERSION). */
 #define LCG_VERSION_MAJOR 0
-#define LCG_VERSION_MINOR 4
+#define LCG_VERSION_MINOR 5
 #define LCG_VERSION_PATCH 0
 #define LCG_VERSION_NUMBER (LCG_VERSION_MAJOR * 10000 + LCG_VERSION_MINOR * 100 + LCG_VERSION_PATCH)
 
@@ -69,7 +77,7 @@ typedef enum {
 
 /* Quality levels. A lossy level promises at most the KL divergence of one of llama.cpp's quantized
  * KV cache types and sets each tensor's step from the error that cache type makes on that tensor
- * (README, "Levels", has the measured sizes: ~1.9x, ~3.9x, ~5.8x smaller than f16 on SmolLM2). */
+ * (README, "Levels", has the measured sizes: ~2.1x, ~4.0x, ~4.6x smaller than f16 on SmolLM2). */
 typedef enum {
     LCG_LEVEL_LOSSLESS = 0, /* bit-exact                                                       */
     LCG_LEVEL_HIGH     = 1, /* KL at most the q8_0 cache's                                       */
@@ -114,9 +122,7 @@ typedef enum {
 } lcg_part;
 
 typedef struct {
-    uint32_t struct_size;   /* sizeof(lcg_encode_params), set by lcg_encode_default_params: a
-                               library with another layout refuses the call
-                               (LCG_ERR_INVALID_ARGUMENT) instead of misreading the struct        */
+    uint32_t struct_size;   /* sizeof(lcg_encode_params), set by lcg_encode_params_init      */
     int32_t level;          /* lcg_level                                                        */
     int32_t state_kind;     /* lcg_state_kind; LCG_KIND_AUTO detects it                          */
     int32_t n_threads;      /* <= 0: all cores                                                  */
@@ -129,6 +135,7 @@ typedef struct {
     float   v_step;         /* V step in the tensor's RMS channel deviation (last layer)         */
     float   first_layer_scale; /* step of layer 0 = this x the last layer's; linear in between  */
     int32_t n_sink_tokens;  /* cells with position < this are stored exactly                     */
+    uint32_t reserved0;
     /* Opaque bytes stored (checksummed) in the container, e.g. the caller's model fingerprint.  */
     const void * user_meta;
     size_t       user_meta_size; /* at most LCG_MAX_USER_META                                    */
@@ -165,11 +172,14 @@ typedef struct {
      * stored: decoding needs only the steps it finds. */
     const float * error_weights;
     uint32_t      n_error_weights;
+    uint32_t      reserved1;
 } lcg_encode_params;
 
 /* What lcg_inspect reports about a container, from its header and layout only. */
 typedef struct {
+    uint32_t struct_size;       /* the caller sets sizeof(lcg_info) (see the conventions above)  */
     uint32_t format_version;
+    int32_t  part;              /* lcg_part                                                      */
     int32_t  level;             /* lcg_level it was encoded at (skeleton: LCG_LEVEL_LOSSLESS)    */
     int32_t  state_kind;        /* lcg_state_kind of the original state                         */
     uint32_t n_sections;
@@ -184,7 +194,6 @@ typedef struct {
     int32_t  n_sink_tokens;
     int32_t  ref_type;          /* ggml type of the reference cache type the steps follow, or -1 */
     float    error_scale;       /* squared error / the reference's (when ref_type >= 0)          */
-    int32_t  part;              /* lcg_part                                                      */
     uint32_t n_caches;          /* KV caches (2 for interleaved sliding-window models)           */
     uint32_t pos_begin, pos_end;/* chunk: its positions; whole/skeleton of a chunkable state: 0, n */
     uint8_t  stats_id[32];      /* chunk: the id of the statistics it was coded with             */
@@ -194,7 +203,7 @@ typedef struct {
                                    chunks then load at its full length only                   */
     int32_t  k_type, v_type;    /* lcg_inspect_state: ggml type of the first K and V tensors (-1:
                                    none, e.g. no cells); 0 elsewhere                            */
-    uint32_t reserved[2];
+    uint32_t reserved;
 } lcg_info;
 
 /* One entry of the container's section table. */
@@ -204,6 +213,7 @@ typedef struct {
     uint64_t offset;            /* from the start of the container                               */
     uint64_t size;
     uint32_t crc32c;
+    uint32_t reserved;
 } lcg_section;
 
 typedef enum {
@@ -229,8 +239,10 @@ LCG_API const char * lcg_status_name(int status);
  * next call. */
 LCG_API const char * lcg_last_error(void);
 
-/* Default parameters: LCG_LEVEL_BALANCED, auto kind, all cores, level presets. */
-LCG_API lcg_encode_params lcg_encode_default_params(void);
+/* Fills the caller's params (struct_size = sizeof(lcg_encode_params) as the caller's header has
+ * it) with the defaults: LCG_LEVEL_BALANCED, auto kind, all cores, level presets. Start every
+ * lcg_encode_params from it. */
+LCG_API int lcg_encode_params_init(lcg_encode_params * params, size_t struct_size);
 
 /* Encodes a llama.cpp state. On success *out holds a library-allocated container of *out_size
  * bytes, to be released with lcg_free(). params may be NULL for the defaults. */

@@ -35,15 +35,60 @@ template <typename F> int guarded(F && fn) {
 
 bool knob_ok(float v, float lo, float hi) { return std::isfinite(v) && v >= lo && v <= hi; }
 
+lcg_encode_params default_params() {
+    lcg_encode_params p;
+    std::memset(&p, 0, sizeof(p));
+    p.struct_size = sizeof(p);
+    p.level = LCG_LEVEL_BALANCED;
+    p.state_kind = LCG_KIND_AUTO;
+    p.n_threads = 0;
+    p.error_scale = -1.0f;
+    p.k_step = -1.0f;
+    p.v_step = -1.0f;
+    p.first_layer_scale = -1.0f;
+    p.n_sink_tokens = -1;
+    return p;
+}
+
+// A caller's struct of struct_size bytes against this library's `ours` (the header's rule): sizes
+// below this version's are refused, and sizes past any struct's plausible growth, which would read
+// or write far past the caller's memory (a struct_size left unset).
+constexpr size_t MAX_STRUCT_SIZE = 4096;
+void check_struct_size(const char * name, size_t struct_size, size_t ours) {
+    LCG_CHECK(struct_size != 0, LCG_ERR_INVALID_ARGUMENT, "%s.struct_size is 0: set it to sizeof(%s)", name, name);
+    LCG_CHECK(struct_size >= ours, LCG_ERR_INVALID_ARGUMENT,
+              "%s.struct_size is %zu, less than this library's %zu: a caller's header older than 0.5", name,
+              struct_size, ours);
+    LCG_CHECK(struct_size <= MAX_STRUCT_SIZE, LCG_ERR_INVALID_ARGUMENT,
+              "%s.struct_size is %zu: more than %zu, not a size of this struct", name, struct_size, MAX_STRUCT_SIZE);
+}
+
+// Writes `out` into the caller's info of info->struct_size bytes (checked by check_struct_size):
+// the caller's fields this library does not know are 0.
+void put_info(lcg_info * info, const lcg_info & out) {
+    const uint32_t struct_size = info->struct_size;
+    std::memset(reinterpret_cast<uint8_t *>(info) + sizeof(out), 0, struct_size - sizeof(out));
+    *info = out;
+    info->struct_size = struct_size;
+}
+
 // Checked encode options from the caller's parameters (NULL: the defaults).
 EncodeOptions options(const lcg_encode_params * params) {
-    // struct_size first: a caller built against an older header passes a smaller struct, and
-    // copying this library's whole struct from it would read past its end.
-    const uint32_t struct_size = params ? params->struct_size : sizeof(lcg_encode_params);
-    LCG_CHECK(struct_size == sizeof(lcg_encode_params), LCG_ERR_INVALID_ARGUMENT,
-              "lcg_encode_params.struct_size is %u, this library's is %zu: start from lcg_encode_default_params()",
-              struct_size, sizeof(lcg_encode_params));
-    const lcg_encode_params p = params ? *params : lcg_encode_default_params();
+    // struct_size first: a caller's struct smaller than ours would be read past its end, and a
+    // larger one's fields past ours would be ignored, when they may ask for something
+    lcg_encode_params p = default_params();
+    if (params) {
+        check_struct_size("lcg_encode_params", params->struct_size, sizeof(p));
+        const uint8_t * extra = reinterpret_cast<const uint8_t *>(params) + sizeof(p);
+        for (size_t i = 0; i < params->struct_size - sizeof(p); i++) {
+            LCG_CHECK(extra[i] == 0, LCG_ERR_INVALID_ARGUMENT,
+                      "lcg_encode_params byte %zu (of %u) is set: a field this library (%d.%d) does not know",
+                      sizeof(p) + i, params->struct_size, LCG_VERSION_MAJOR, LCG_VERSION_MINOR);
+        }
+        p = *params;
+    }
+    LCG_CHECK(p.reserved0 == 0 && p.reserved1 == 0, LCG_ERR_INVALID_ARGUMENT,
+              "lcg_encode_params.reserved0/1 must be 0 (start from lcg_encode_params_init)");
     LCG_CHECK(p.level >= LCG_LEVEL_LOSSLESS && p.level <= LCG_LEVEL_COMPACT, LCG_ERR_INVALID_ARGUMENT,
               "unknown level %d", p.level);
     LCG_CHECK(p.state_kind >= LCG_KIND_AUTO && p.state_kind <= LCG_KIND_SESSION, LCG_ERR_INVALID_ARGUMENT,
@@ -151,19 +196,14 @@ const char * lcg_status_name(int status) {
 
 const char * lcg_last_error(void) { return last_error.c_str(); }
 
-lcg_encode_params lcg_encode_default_params(void) {
-    lcg_encode_params p;
-    std::memset(&p, 0, sizeof(p));
-    p.struct_size = sizeof(p);
-    p.level = LCG_LEVEL_BALANCED;
-    p.state_kind = LCG_KIND_AUTO;
-    p.n_threads = 0;
-    p.error_scale = -1.0f;
-    p.k_step = -1.0f;
-    p.v_step = -1.0f;
-    p.first_layer_scale = -1.0f;
-    p.n_sink_tokens = -1;
-    return p;
+int lcg_encode_params_init(lcg_encode_params * params, size_t struct_size) {
+    return guarded([&] {
+        LCG_CHECK(params != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        check_struct_size("lcg_encode_params", struct_size, sizeof(*params));
+        std::memset(params, 0, struct_size);  // the caller's fields this library does not know: 0
+        *params = default_params();
+        params->struct_size = static_cast<uint32_t>(struct_size);
+    });
 }
 
 int lcg_encode(const void * state, size_t state_size, const lcg_encode_params * params, void ** out,
@@ -198,37 +238,39 @@ int lcg_decode(const void * container, size_t container_size, int32_t n_threads,
 int lcg_inspect(const void * container, size_t container_size, lcg_info * info) {
     return guarded([&] {
         LCG_CHECK(container != nullptr && info != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        check_struct_size("lcg_info", info->struct_size, sizeof(lcg_info));
         const ContainerView c = read_container(static_cast<const uint8_t *>(container), container_size);
         const Layout L = read_layout(c);
-        std::memset(info, 0, sizeof(*info));
-        info->format_version = c.header.format_version;
-        info->part = c.header.part;
-        info->level = c.header.level;
-        info->state_kind = c.header.state_kind;
-        info->n_sections = c.header.n_sections;
-        info->n_tensors = static_cast<uint32_t>(L.tensors.size());
-        info->n_cells = c.header.n_cells;
-        info->n_layers = c.header.n_layers;
-        info->n_caches = c.header.n_caches;
-        info->n_tokens = c.header.n_tokens;
-        info->state_size = c.header.state_size;
-        info->container_size = container_size;
-        info->kv_bytes = c.header.kv_bytes;
-        info->k_step = L.knobs.k_step;
-        info->v_step = L.knobs.v_step;
-        info->first_layer_scale = L.knobs.first_layer_scale;
-        info->n_sink_tokens = L.knobs.n_sink_tokens;
-        info->ref_type = L.knobs.ref_type;
-        info->error_scale = L.knobs.ref_scale;
-        info->pos_begin = c.header.pos_begin;
-        info->pos_end = c.header.pos_end;
-        info->chunkable = (c.header.part == LCG_PART_WHOLE || c.header.part == LCG_PART_SKELETON) && c.header.pos_end > 0;
+        lcg_info out{};
+        out.format_version = c.header.format_version;
+        out.part = c.header.part;
+        out.level = c.header.level;
+        out.state_kind = c.header.state_kind;
+        out.n_sections = c.header.n_sections;
+        out.n_tensors = static_cast<uint32_t>(L.tensors.size());
+        out.n_cells = c.header.n_cells;
+        out.n_layers = c.header.n_layers;
+        out.n_caches = c.header.n_caches;
+        out.n_tokens = c.header.n_tokens;
+        out.state_size = c.header.state_size;
+        out.container_size = container_size;
+        out.kv_bytes = c.header.kv_bytes;
+        out.k_step = L.knobs.k_step;
+        out.v_step = L.knobs.v_step;
+        out.first_layer_scale = L.knobs.first_layer_scale;
+        out.n_sink_tokens = L.knobs.n_sink_tokens;
+        out.ref_type = L.knobs.ref_type;
+        out.error_scale = L.knobs.ref_scale;
+        out.pos_begin = c.header.pos_begin;
+        out.pos_end = c.header.pos_end;
+        out.chunkable = (c.header.part == LCG_PART_WHOLE || c.header.part == LCG_PART_SKELETON) && c.header.pos_end > 0;
         for (const lcg_section & s : c.sections) {
-            if (s.type == LCG_SECTION_STATS_REF && s.size == sizeof(info->stats_id)) {
+            if (s.type == LCG_SECTION_STATS_REF && s.size == sizeof(out.stats_id)) {
                 verify_section(c, s);
-                std::memcpy(info->stats_id, c.data + s.offset, sizeof(info->stats_id));
+                std::memcpy(out.stats_id, c.data + s.offset, sizeof(out.stats_id));
             }
         }
+        put_info(info, out);
     });
 }
 
@@ -267,28 +309,30 @@ int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind,
         LCG_CHECK(state != nullptr && info != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
         LCG_CHECK(state_kind >= LCG_KIND_AUTO && state_kind <= LCG_KIND_SESSION, LCG_ERR_INVALID_ARGUMENT,
                   "unknown state kind %d", state_kind);
+        check_struct_size("lcg_info", info->struct_size, sizeof(lcg_info));
         const ParsedState st = parse_state(static_cast<const uint8_t *>(state), state_size, state_kind);
-        std::memset(info, 0, sizeof(*info));
-        info->state_kind = st.kind;
-        info->n_tensors = static_cast<uint32_t>(st.tensors.size());
-        info->n_cells = st.n_cells;
-        info->n_layers = st.n_layers;
-        info->n_caches = st.n_caches;
-        info->n_tokens = st.n_tokens;
-        info->state_size = state_size;
-        info->kv_bytes = st.kv_bytes;
-        info->has_tail = st.tail_offset < state_size;
-        info->k_type = info->v_type = -1;
+        lcg_info out{};
+        out.state_kind = st.kind;
+        out.n_tensors = static_cast<uint32_t>(st.tensors.size());
+        out.n_cells = st.n_cells;
+        out.n_layers = st.n_layers;
+        out.n_caches = st.n_caches;
+        out.n_tokens = st.n_tokens;
+        out.state_size = state_size;
+        out.kv_bytes = st.kv_bytes;
+        out.has_tail = st.tail_offset < state_size;
+        out.k_type = out.v_type = -1;
         for (const TensorDesc & t : st.tensors) {
-            int32_t & type = t.is_v ? info->v_type : info->k_type;
+            int32_t & type = t.is_v ? out.v_type : out.k_type;
             type = type < 0 ? t.ggml_type : type;
         }
         try {
-            info->pos_end = chunkable_positions(st);
-            info->chunkable = 1;
+            out.pos_end = chunkable_positions(st);
+            out.chunkable = 1;
         } catch (const Error &) {
-            info->chunkable = 0;
+            out.chunkable = 0;
         }
+        put_info(info, out);
     });
 }
 

@@ -31,7 +31,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "AuthenticationError",

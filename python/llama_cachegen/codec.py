@@ -117,7 +117,8 @@ def _params(
     error_weights: Sequence[float] | None = None,
 ) -> tuple[Any, Any]:
     """The native parameters, and what they point to that must outlive them (error_weights)."""
-    params = ffi.new("lcg_encode_params *", lib.lcg_encode_default_params())
+    params = ffi.new("lcg_encode_params *")
+    check(lib.lcg_encode_params_init(params, ffi.sizeof("lcg_encode_params")))
     params.level = _level(level)
     params.state_kind = _kind(kind)
     params.n_threads = _threads(threads)
@@ -508,11 +509,17 @@ def _info_dict(info: Any) -> dict[str, Any]:
     }
 
 
+def _new_info() -> Any:
+    info = ffi.new("lcg_info *")
+    info.struct_size = ffi.sizeof("lcg_info")
+    return info
+
+
 def inspect(blob: Buffer) -> dict[str, Any]:
     """Describes a container object (whole, skeleton, stats or chunk): kind, layout, level and knobs,
     sizes per section, ratio."""
     src = _view(blob)
-    info = ffi.new("lcg_info *")
+    info = _new_info()
     check(lib.lcg_inspect(src, len(src), info))
     result = _info_dict(info)
     result.update(
@@ -544,7 +551,7 @@ def inspect_state(state: Buffer, kind: str = "auto") -> dict[str, Any]:
     "tail": bytes follow its KV caches (a hybrid model's recurrent state, of the last position);
     "type_k", "type_v": the ggml type ids of its first K and V tensors (-1: none)."""
     src = _view(state)
-    info = ffi.new("lcg_info *")
+    info = _new_info()
     check(lib.lcg_inspect_state(src, len(src), _kind(kind), info))
     fields = {k: v for k, v in _info_dict(info).items() if k not in _CONTAINER_FIELDS}
     return {**fields, "tail": bool(info.has_tail), "type_k": info.k_type, "type_v": info.v_type}
