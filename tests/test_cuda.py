@@ -201,11 +201,26 @@ def check_chunks_match_cpu() -> None:
                 dev = lcg.DeviceBuffer(len(host))
                 dev.copy_from(host)
                 bounds = list(range(0, cells, chunk)) + [cells]
-                for begin, end in zip(bounds, bounds[1:], strict=False):
-                    blob = chunker.chunk(begin, end, stats_id)
+                blobs = [chunker.chunk(b, e, stats_id) for b, e in zip(bounds, bounds[1:], strict=False)]
+                for blob in blobs:
                     codec.decode_chunk(blob, opened, host)
                     codec.decode_chunk(blob, opened, codec.skeleton_state(skeleton, cells), device_state=dev)
                 assert dev.to_host() == host, (cells, channels, v_trans, level, chunk)
+                # all in one launch, in any order
+                together = lcg.DeviceBuffer(len(host))
+                together.copy_from(codec.skeleton_state(skeleton, cells))
+                codec.decode_chunks(
+                    blobs[::-1], opened, codec.skeleton_state(skeleton, cells), device_state=together
+                )
+                assert together.to_host() == host, (cells, channels, v_trans, level, chunk)
+    # chunks sharing a position would race in one launch: refused before anything runs
+    with pytest.raises(lcg.InvalidArgumentError, match="share positions"):
+        codec.decode_chunks([blobs[0], blobs[0]], opened, host, device_state=together)
+    overlapping = chunker.chunk(0, 2, stats_id)
+    with pytest.raises(lcg.InvalidArgumentError, match="chunks 0 and 1 share positions"):
+        codec.decode_chunks([blobs[0], overlapping], opened, host, device_state=together)
+    with pytest.raises(lcg.InvalidArgumentError, match="no chunks"):
+        codec.decode_chunks([], opened, host, device_state=together)
 
 
 def check_golden_containers() -> None:

@@ -360,6 +360,13 @@ LCG_API int lcg_decode_chunk_device(const void * chunk, size_t chunk_size, const
                                     const void * state, size_t state_size, void * device_state,
                                     void * cuda_stream);
 
+/* lcg_decode_chunk_device of n_chunks chunks, all naming `stats`, in one upload and one kernel
+ * launch (a short chunk alone leaves most of a GPU idle). Every chunk is checked before any runs;
+ * chunks sharing a position are refused (LCG_ERR_INVALID_ARGUMENT: they would race). */
+LCG_API int lcg_decode_chunks_device(const void * const * chunks, const size_t * chunk_sizes, size_t n_chunks,
+                                     const lcg_stats * stats, const void * state, size_t state_size,
+                                     void * device_state, void * cuda_stream);
+
 /* Device memory for callers without a CUDA allocator of their own (the Python binding): cudaMalloc,
  * cudaFree (NULL accepted), and a copy in any direction (cudaMemcpyDefault) that waits for itself. */
 LCG_API int lcg_device_alloc(size_t size, void ** device_ptr);

@@ -464,9 +464,23 @@ int lcg_decode_chunk_device(const void * chunk, size_t chunk_size, const lcg_sta
     return guarded([&] {
         LCG_CHECK(chunk != nullptr && stats != nullptr && state != nullptr && device_state != nullptr,
                   LCG_ERR_INVALID_ARGUMENT, "NULL argument");
-        decode_chunk_device(static_cast<const uint8_t *>(chunk), chunk_size, *stats->impl,
-                            const_cast<lcg_stats *>(stats)->device, static_cast<const uint8_t *>(state), state_size,
-                            static_cast<uint8_t *>(device_state), cuda_stream);
+        const uint8_t * const one = static_cast<const uint8_t *>(chunk);
+        decode_chunks_device(&one, &chunk_size, 1, *stats->impl, const_cast<lcg_stats *>(stats)->device,
+                             static_cast<const uint8_t *>(state), state_size, static_cast<uint8_t *>(device_state),
+                             cuda_stream);
+    });
+}
+
+int lcg_decode_chunks_device(const void * const * chunks, const size_t * chunk_sizes, size_t n_chunks,
+                             const lcg_stats * stats, const void * state, size_t state_size, void * device_state,
+                             void * cuda_stream) {
+    return guarded([&] {
+        LCG_CHECK(chunks != nullptr && chunk_sizes != nullptr && stats != nullptr && state != nullptr &&
+                      device_state != nullptr,
+                  LCG_ERR_INVALID_ARGUMENT, "NULL argument");
+        decode_chunks_device(reinterpret_cast<const uint8_t * const *>(chunks), chunk_sizes, n_chunks, *stats->impl,
+                             const_cast<lcg_stats *>(stats)->device, static_cast<const uint8_t *>(state), state_size,
+                             static_cast<uint8_t *>(device_state), cuda_stream);
     });
 }
 

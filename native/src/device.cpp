@@ -396,13 +396,50 @@ size_t decode_whole_device(const uint8_t * data, size_t size, uint8_t * device_d
     return n;
 }
 
-void decode_chunk_device(const uint8_t * chunk, size_t chunk_size, const Stats & stats, DeviceStats & cache,
-                         const uint8_t * state, size_t state_size, uint8_t * device_state, void * stream) {
+void decode_chunks_device(const uint8_t * const * chunks, const size_t * chunk_sizes, size_t n_chunks,
+                          const Stats & stats, DeviceStats & cache, const uint8_t * state, size_t state_size,
+                          uint8_t * device_state, void * stream) {
     const cuda::Backend & b = require_device();
+    LCG_CHECK(n_chunks > 0, LCG_ERR_INVALID_ARGUMENT, "no chunks");
+    // The plan addresses one uploaded object: several chunks go side by side in one buffer, each
+    // at a multiple of 256 bytes, as cudaMalloc places a chunk uploaded alone. One launch for all:
+    // a 256-token chunk of a 7B-class state alone fills 32 blocks of an H100's 132 multiprocessors.
+    struct Span {
+        uint32_t begin, end;
+        size_t chunk;
+    };
+    std::vector<Span> spans;
+    std::vector<size_t> at(n_chunks);
+    size_t total = 0;
+    for (size_t k = 0; k < n_chunks; k++) {
+        LCG_CHECK(chunks[k] != nullptr, LCG_ERR_INVALID_ARGUMENT, "chunk %zu is NULL", k);
+        const ContainerHeader h = read_container(chunks[k], chunk_sizes[k]).header;
+        spans.push_back({h.pos_begin, h.pos_end, k});
+        at[k] = total;
+        total += (chunk_sizes[k] + 255) & ~size_t(255);  // no overflow: each chunk is in memory
+    }
+    std::sort(spans.begin(), spans.end(), [](const Span & a, const Span & b) {
+        return a.begin != b.begin ? a.begin < b.begin : a.chunk < b.chunk;
+    });
+    for (size_t r = 1; r < spans.size(); r++) {  // sorted: a shared position shows between neighbours
+        LCG_CHECK(spans[r].begin >= spans[r - 1].end, LCG_ERR_INVALID_ARGUMENT,
+                  "chunks %zu and %zu share positions (from %u): decode them in separate calls",
+                  spans[r - 1].chunk, spans[r].chunk, spans[r].begin);
+    }
+    std::vector<uint8_t> joined;
+    std::vector<const uint8_t *> parts(chunks, chunks + n_chunks);
+    if (n_chunks > 1) {
+        joined.resize(total);
+        for (size_t k = 0; k < n_chunks; k++) {
+            std::memcpy(joined.data() + at[k], chunks[k], chunk_sizes[k]);
+            parts[k] = joined.data() + at[k];
+        }
+    }
+    const uint8_t * object = n_chunks > 1 ? joined.data() : chunks[0];
     const DeviceStats::Copy & copy = cache.on_current_device(stats);
-    DeviceSink sink(chunk, device_state, state_size, &copy);
-    decode_chunks_to(&chunk, &chunk_size, 1, stats, 1, state, state_size, sink);
-    sink.run(b, chunk_size, copy.base, stream);
+    DeviceSink sink(object, device_state, state_size, &copy);
+    decode_chunks_to(parts.data(), chunk_sizes, n_chunks, stats, 1, state, state_size, sink);
+    sink.run(b, n_chunks > 1 ? joined.size() : chunk_sizes[0], copy.base, stream);
 }
 
 DeviceTiming device_last_timing() { return last_timing; }

@@ -46,10 +46,12 @@ private:
 size_t decode_whole_device(const uint8_t * data, size_t size, uint8_t * device_dst, size_t dst_capacity,
                            void * stream);
 
-// Decodes a chunk into device_state, a device copy of the host state `state` (state_size bytes;
-// only its parts other than K/V payloads are read, for the layout and the cells of each position).
-void decode_chunk_device(const uint8_t * chunk, size_t chunk_size, const Stats & stats, DeviceStats & cache,
-                         const uint8_t * state, size_t state_size, uint8_t * device_state, void * stream);
+// Decodes chunks into device_state, a device copy of the host state `state` (state_size bytes;
+// only its parts other than K/V payloads are read, for the layout and the cells of each position),
+// in one upload and one launch. Chunks sharing a position are refused (they would race).
+void decode_chunks_device(const uint8_t * const * chunks, const size_t * chunk_sizes, size_t n_chunks,
+                          const Stats & stats, DeviceStats & cache, const uint8_t * state, size_t state_size,
+                          uint8_t * device_state, void * stream);
 
 // The device time of this thread's last device decode: upload of object and plan, kernels.
 struct DeviceTiming {

@@ -675,29 +675,53 @@ def decode_chunk(
     its layout (cells, positions): its K/V bytes are left as they are."""
     c = _view(chunk)
     if device_state is not None:
-        device = _device_target(device_state)
-        if device is None:
-            raise InvalidArgumentError("device_state: expected a DeviceBuffer or __cuda_array_interface__")
-        if device.size < len(state):
-            raise InvalidArgumentError(f"device_state holds {device.size} bytes, the state {len(state)}")
+        device = _device_state(device_state, state)
         host = _view(state)
-        dev, stream = device.ptr, device.stream
-        check(lib.lcg_decode_chunk_device(c, len(c), stats._handle, host, len(host), dev, stream))
+        check(
+            lib.lcg_decode_chunk_device(c, len(c), stats._handle, host, len(host), device.ptr, device.stream)
+        )
         return
     dst = ffi.from_buffer(state)
     check(lib.lcg_decode_chunk(c, len(c), stats._handle, _threads(threads), dst, len(state)))
 
 
+def _device_state(device_state: DeviceBuffer | Any, state: Buffer) -> _DeviceTarget:
+    device = _device_target(device_state)
+    if device is None:
+        raise InvalidArgumentError("device_state: expected a DeviceBuffer or __cuda_array_interface__")
+    if device.size < len(state):
+        raise InvalidArgumentError(f"device_state holds {device.size} bytes, the state {len(state)}")
+    return device
+
+
 def decode_chunks(
-    chunks: Sequence[Buffer], stats: Stats, state: bytearray, *, threads: int | None = None
+    chunks: Sequence[Buffer],
+    stats: Stats,
+    state: bytearray,
+    *,
+    threads: int | None = None,
+    device_state: DeviceBuffer | Any = None,
 ) -> None:
     """Decodes several chunks of one statistics object into their places in `state`, as
     `decode_chunk` does each, but tensor by tensor across them: a tensor's decode tables are read
     into cache once for all the chunks (one by one, they are read again for every chunk). Every chunk
-    is checked before any is written."""
+    is checked before any is written.
+
+    With `device_state`, as `decode_chunk`'s, the chunks decode on the GPU in one upload and one
+    kernel launch (a short chunk alone leaves most of the GPU idle); chunks may not share positions."""
     views = [_view(c) for c in chunks]
     pointers = ffi.new("void *[]", [ffi.cast("void *", v) for v in views])  # views kept alive above
     sizes = ffi.new("size_t[]", [len(v) for v in views])
+    if device_state is not None:
+        device = _device_state(device_state, state)
+        host = _view(state)
+        n = len(views)
+        check(
+            lib.lcg_decode_chunks_device(
+                pointers, sizes, n, stats._handle, host, len(host), device.ptr, device.stream
+            )
+        )
+        return
     dst = ffi.from_buffer(state)
     check(
         lib.lcg_decode_chunks(pointers, sizes, len(views), stats._handle, _threads(threads), dst, len(state))
