@@ -312,6 +312,53 @@ def test_a_prefix_lookup_asks_an_http_store_in_one_request_per_round(
         assert (match.chunks, match.levels, sent) == (stored, [LEVELS] * stored, ["POST"] * rounds)
 
 
+def test_a_prefix_lookup_without_a_size_finds_chunks_of_any_size(
+    contexts: dict[str, Any], tmp_path: Path
+) -> None:
+    """load_prefix and longest_prefix without chunk_tokens find chunks stored at another size: a
+    save at 64, and the prompt cache's 128-token chunks (a lookup at the default 256 found neither,
+    and said nothing); a size named is the only one tried, as before."""
+    from llama_cachegen import CompressedStateCache
+
+    tokens, states = contexts["tokens"], contexts["states"]
+    llm = _llama(n_ctx=512)
+    _set(llm, states["a"], tokens["a"])
+    chunks.save_chunked(llm, tmp_path / "saves" / "ctx", levels=("lossless",), chunk_tokens=64)
+    cache = CompressedStateCache(tmp_path / "prompts", level="lossless", model=llm)
+    cache[tuple(tokens["a"])] = llm.save_state()
+    for store, size, positions in ((tmp_path / "saves", 64, 230), (tmp_path / "prompts", 128, 128)):
+        assert chunks.longest_prefix(store, llm, tokens["a"], chunk_tokens=256).chunks == 0
+        match = chunks.longest_prefix(store, llm, tokens["a"])
+        assert (match.chunk_tokens, match.positions) == (size, positions)
+        other = _llama(n_ctx=512)
+        loaded = chunks.load_prefix(other, store, tokens["a"])
+        assert loaded.tokens == positions and loaded.extra["match"].chunk_tokens == size
+        if positions == len(tokens["a"]):
+            assert capture_state(other, None) == states["a"]
+    # the longest chain wins where several sizes hold the prefix
+    chunks.save_chunked(llm, tmp_path / "prompts" / "ctx", levels=("lossless",), chunk_tokens=32)
+    assert chunks.longest_prefix(tmp_path / "prompts", llm, tokens["a"]).positions == 230
+
+
+def test_a_level_asked_of_a_whole_container(contexts: dict[str, Any], tmp_path: Path) -> None:
+    """load_compressed_state(url, level=) where a save with level= wrote one whole container: at its
+    own level it loads (as without level=), at another it is refused naming the level stored (it
+    was "not a llama-cachegen manifest", a valid container called corrupt)."""
+    llm = _llama(n_ctx=512)
+    _set(llm, contexts["states"]["a"], contexts["tokens"]["a"])
+    llm.save_compressed_state(tmp_path / "whole.lcg", level="lossless")
+    for level in ("lossless", 0, None):
+        other = _llama(n_ctx=512)
+        assert other.load_compressed_state(tmp_path / "whole.lcg", level=level).tokens == 230
+        assert capture_state(other, None) == contexts["states"]["a"]
+    _refused(
+        other,
+        lambda: other.load_compressed_state(tmp_path / "whole.lcg", level="high"),
+        InvalidArgumentError,
+        "one whole object at lossless, not a chunked context: level='high'",
+    )
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 
 

@@ -65,6 +65,22 @@ def test_inspect_shows_the_llama_cpp_python_envelope(slot_file: Path) -> None:
     assert envelope["scope"] == "all" and envelope["tokens"] == info["cells"]
     assert envelope["fingerprint"]["arch"] == "llama" and envelope["fingerprint"]["type_k"] == "f16"
     assert "fingerprint:" in _cli("inspect", slot_file.with_name("saved.lcg")).stdout
+    assert "saved from" not in envelope
+
+
+def test_inspect_says_when_a_lossless_save_holds_lossy_kv(slot_file: Path, tmp_path: Path) -> None:
+    """K/V loaded at balanced and saved lossless: `inspect` showed only "levels: lossless", which
+    reads as exact (the loaders know better, from the record it now shows)."""
+    llm = smollm()
+    llm.load_compressed_state(slot_file.with_name("ctx"))  # chunks at balanced
+    llm.save_compressed_state(tmp_path / "again", levels=("lossless",))
+    llm.save_compressed_state(tmp_path / "again.lcg", level="lossless")
+    manifest = json.loads(_cli("inspect", tmp_path / "again", "--json").stdout)
+    whole = json.loads(_cli("inspect", tmp_path / "again.lcg", "--json").stdout)["llama_cpp_python"]
+    for info in (manifest, whole):
+        assert info["saved from"].startswith("K/V decoded from balanced from position 4 on"), (
+            info
+        )  # 4 sinks exact
 
 
 def test_inspect_shows_a_manifest_and_every_cache(slot_file: Path, tmp_path: Path) -> None:
@@ -78,6 +94,11 @@ def test_inspect_shows_a_manifest_and_every_cache(slot_file: Path, tmp_path: Pat
     assert info["tokens"] == llm.n_tokens and info["chunks"] == -(-llm.n_tokens // 16)
     shared = (info["tokens"] - len(llm.tokenize(b" And then it ran away.", add_bos=False))) // 16
     assert info["chunks stored by earlier saves"] == {"balanced": shared, "compact": shared}
+    # a chunk: its positions, and no state figures (they read 0: no tokens, ratio 0, not chunkable)
+    chunk = next(p for p in tmp_path.rglob("*") if p.is_file() and "/chunks/" in p.as_posix())
+    text = _cli("inspect", chunk).stdout
+    assert "part: chunk" in text and "positions: (" in text
+    assert not any(f"  {key}:" in text for key in ("tokens", "state_size", "ratio", "chunkable")), text
     # an interleaved sliding-window state: both caches are reported
     rng = np.random.default_rng(0)
     iswa = tmp_path / "iswa.bin"
@@ -128,6 +149,28 @@ def test_load_refuses_a_manifest_longer_than_the_models_training_context(tmp_pat
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"holds {n_ctx_train + 1} tokens, more than" in proc.stderr
     assert f"training context ({n_ctx_train}); give --n-ctx" in proc.stderr
+
+
+def test_load_says_what_it_was_given(slot_file: Path, tmp_path: Path) -> None:
+    """`load` of a llama.cpp state said "not a llama-cachegen container" only, and of a context saved
+    from another model without --model, not that --model names it."""
+    from tiny_models import make, write_gpt2
+
+    proc = _cli("load", slot_file, "--threads", "1", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert (
+        f"{slot_file} is a llama.cpp state (seq_file), not a container: there is nothing to load"
+        in proc.stderr
+    )
+    tiny = make(write_gpt2(tmp_path / "gpt2.gguf"))
+    tiny.eval(tiny.tokenize(b"The quick brown fox jumps over the lazy dog. " * 4))
+    tiny.save_compressed_state(tmp_path / "ctx", levels=("lossless",), chunk_tokens=16)
+    proc = _cli("load", tmp_path / "ctx", "--threads", "1", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "state does not fit this model/context" in proc.stderr and "with --model GGUF" in proc.stderr
+    model = tmp_path / "gpt2.gguf"
+    proc = _cli("load", tmp_path / "ctx", "--model", model, "--threads", "1", "--json", check=False)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["tokens"] == tiny.n_tokens, proc.stderr
 
 
 def test_ctrl_c_ends_a_command_with_one_line_and_status_130(

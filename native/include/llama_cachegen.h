@@ -257,7 +257,8 @@ LCG_API int lcg_decoded_size(const void * container, size_t container_size, size
 LCG_API int lcg_decode(const void * container, size_t container_size, int32_t n_threads,
                        void * dst, size_t dst_capacity, size_t * written);
 
-/* Reads a container's header, section table and layout; verifies those checksums only. */
+/* Reads a container's header, section table and layout; verifies those checksums only. The
+ * caller sets info->struct_size = sizeof(lcg_info) first (as for lcg_inspect_state). */
 LCG_API int lcg_inspect(const void * container, size_t container_size, lcg_info * info);
 /* The section table: up to `capacity` entries into `sections`; *n_sections gets the count (call
  * with capacity 0 to ask). One pass over the header. */

@@ -96,7 +96,9 @@ class CompressedStateCache(BaseLlamaCache):
     folder in the llama-cachegen cache directory. Give the cache a store (or folder) of its own:
     `capacity_bytes` bounds every chunk object in it, partial writes included, once each save has
     ended (while one runs, its new chunks may be over it), and evicts the least recently used
-    first. Chunks hold `chunk_tokens` tokens at `level`.
+    first, saved contexts' chunks included. Chunks hold `chunk_tokens` tokens at `level` (128 by
+    default, finer than a save's 256: a prompt keeps all but its last partial chunk); other
+    readers find them with `load_prefix` or `longest_prefix`, which try every power-of-two size.
 
     The cache must know its model (`model=`, or `llama_cachegen.Llama.set_cache` binds it): the
     fingerprint is part of every key. One cache serves one Llama (a hit replaces that context's

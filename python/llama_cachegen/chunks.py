@@ -79,6 +79,8 @@ MANIFEST_VERSION = 2  # 2: ends in its SHA-256
 CHUNK_META_MAGIC = b"LCGK"
 CHUNK_META_VERSION = 1
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS = 16, 4096, 256
+# the chunk sizes a prefix lookup that names none tries (the prompt cache stores 128 by default)
+PROBED_CHUNK_TOKENS = tuple(1 << k for k in range(4, 13))
 DEFAULT_LEVELS = ("high", "balanced", "compact")
 _log = logging.getLogger("llama_cachegen.chunks")
 PREFIX = f"lcg{FORMAT_VERSION}/"
@@ -919,13 +921,17 @@ def load_chunked(
     buffer before the context is touched, which then takes it in one llama.cpp call; on any error
     the context is left as it was. `manifest` passes the manifest's bytes when already read.
     A whole-context state needs seq_id None; a sequence state goes into `seq_id` (default 0).
+    A whole container at `url` (a save with `level=`) loads as `load_compressed_state` loads it,
+    where `level` is its own or None.
     """
     t0 = time.perf_counter()
     if level is not None:
-        codec._level(level)
+        level = codec.level_name(level)
     store_url, key = split_manifest_url(url)
     with stores.open_store(store_url) as store:
         data = store.get(key) if manifest is None else bytes(manifest)
+        if not envelope.is_manifest(data) and _whole_at(data, level, url):
+            return load_compressed_state(llm, data, seq_id=seq_id, threads=threads)
         m = Manifest.unpack(data)
         fingerprint = model_fingerprint(llm)
         check_fingerprint(m.meta.fingerprint, fingerprint)
@@ -963,6 +969,21 @@ def load_chunked(
             "assemble_ms": (t2 - t1) * 1e3,  # fetch and decode overlapped
         },
     )
+
+
+def _whole_at(data: bytes, level: str | None, url: str | Path) -> bool:
+    """Whether `data`, where a manifest was expected, is a whole container to load at `level`; one
+    of another level is refused, naming its own (it was "not a llama-cachegen manifest")."""
+    try:
+        stored = codec.inspect(data)
+    except CacheGenError:
+        return False  # neither: Manifest.unpack says what it found
+    if stored["part"] != "whole" or level not in (None, stored["level"]):
+        raise InvalidArgumentError(
+            f"{stores.redact(str(url))} holds one {stored['part']} object at {stored['level']}, "
+            f"not a chunked context: level={level!r} is not stored there"
+        )
+    return True
 
 
 def _load_whole(
@@ -1013,11 +1034,12 @@ def longest_prefix(
     llm: llama_cpp.Llama,
     tokens: Sequence[int],
     *,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> PrefixMatch:
-    """Walks the chained keys of `tokens` with `exists` calls only (no K/V is fetched)."""
+    """Walks the chained keys of `tokens` with `exists` calls only (no K/V is fetched), at
+    `chunk_tokens` or, with None, at the size the store holds them at (`_match_sized`)."""
     with stores.open_store(str(store_url)) as store:
-        return _match(store, model_fingerprint(llm), token_ids(llm, tokens), chunk_tokens)
+        return _match_sized(store, model_fingerprint(llm), token_ids(llm, tokens), chunk_tokens)
 
 
 _MATCH_ROUND = 4  # chunks in a bulk prefix lookup's first round: a miss costs one round trip
@@ -1054,18 +1076,46 @@ def _match(
     return PrefixMatch(chunk_tokens, len(keys), positions, keys, levels)
 
 
+def _match_sized(
+    store: stores.Store,
+    fingerprint: dict[str, Any],
+    tokens: np.ndarray,
+    chunk_tokens: int | None,
+    probe: Sequence[str] = codec.LEVEL_ORDER,
+) -> PrefixMatch:
+    """_match at `chunk_tokens`; None: the default size first, and where the store holds not even
+    the first chunk at it, the other sizes of PROBED_CHUNK_TOKENS: their first chunks in one request,
+    then the chains of those stored, the longest taken. Chunks of the prompt cache (128 tokens) or
+    of a save at another size are found without the caller knowing their size (a lookup at the
+    default found none, silently); a size that is no power of two is found only when named."""
+    if chunk_tokens is not None:
+        return _match(store, fingerprint, tokens, chunk_tokens, probe)
+    match = _match(store, fingerprint, tokens, DEFAULT_CHUNK_TOKENS, probe)
+    if match.chunks:
+        return match
+    sizes = [c for c in PROBED_CHUNK_TOKENS if c != DEFAULT_CHUNK_TOKENS and c <= tokens.size]
+    firsts = [chain_keys(fingerprint, tokens[:c], c)[0] for c in sizes]
+    flags = iter(store.exists_many([_chunk_key(key, lv) for key in firsts for lv in probe]))
+    for c in [c for c in sizes if any([next(flags) for _ in probe])]:
+        found = _match(store, fingerprint, tokens, c, probe)
+        if found.positions > match.positions:
+            match = found
+    return match
+
+
 def load_prefix(
     llm: llama_cpp.Llama,
     store_url: str | Path,
     tokens: Sequence[int],
     *,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
     level: str | None = None,
     seq_id: int | None = None,
     threads: int | None = None,
 ) -> LoadReport:
     """Loads the longest stored prefix of `tokens` (no manifest needed: any save that stored those
-    chunks serves), with the skeleton named by its last chunk. Finds nothing: returns a report of
+    chunks serves), with the skeleton named by its last chunk; chunks of `chunk_tokens` or, with
+    None, of the size the store holds them at (`longest_prefix`). Finds nothing: returns a report of
     0 tokens and leaves the context alone. Else as `load_chunked`; the tokens after the prefix are
     the caller's to evaluate. The skeleton decides the scope: a whole-context save needs seq_id
     None, a sequence save goes into `seq_id` (default 0).
@@ -1078,7 +1128,7 @@ def load_prefix(
     fingerprint = model_fingerprint(llm)
     with stores.open_store(str(store_url)) as store:
         # with a level, the prefix ends at the first chunk without it
-        match = _match(
+        match = _match_sized(
             store, fingerprint, query, chunk_tokens, codec.LEVEL_ORDER if level is None else (level,)
         )
         _check_room(llm, match.positions)  # a cut below only shortens the prefix
@@ -1089,7 +1139,7 @@ def load_prefix(
                 return LoadReport(0, 0, 0, 0, 0.0, elapsed, 0.0, 0.0, seq_id, extra=extra)
             prefix = query[: match.positions]
             candidates = [(level,) if level else lv for lv in match.levels]
-            reader = _ChunkReader(store, fingerprint, prefix, chunk_tokens, match.keys, candidates)
+            reader = _ChunkReader(store, fingerprint, prefix, match.chunk_tokens, match.keys, candidates)
             t1 = time.perf_counter()
             try:
                 state, skeleton, figures = _assemble(reader, None, threads)

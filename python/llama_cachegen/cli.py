@@ -22,6 +22,7 @@ from .errors import (
     CacheGenError,
     CorruptDataError,
     InvalidArgumentError,
+    ModelMismatchError,
     NotAContainerError,
 )
 from .llama_format import GGML_TYPES
@@ -307,9 +308,9 @@ def _compress(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_a_container(name: str, data: bytes, exc: NotAContainerError) -> NotAContainerError:
-    """The error for `data` that is not a container: what it is instead, when it is a manifest or a
-    llama.cpp state, else `exc`."""
+def _not_a_container(name: str, data: bytes, exc: NotAContainerError, doing: str) -> NotAContainerError:
+    """The error for `data` that is not a container (nor, `load`, a manifest): what it is instead,
+    when it is a manifest or a llama.cpp state, else `exc`."""
     if is_manifest(data):
         return NotAContainerError(
             f"{name} is a chunked context's manifest, not a container: its K/V is in chunks in its "
@@ -321,7 +322,7 @@ def _not_a_container(name: str, data: bytes, exc: NotAContainerError) -> NotACon
     except CacheGenError:
         return exc
     return NotAContainerError(
-        f"{name} is a llama.cpp state ({kind}), not a container: there is nothing to decompress "
+        f"{name} is a llama.cpp state ({kind}), not a container: there is nothing to {doing} "
         "(`llama-cachegen compress` makes a container of it)"
     )
 
@@ -333,7 +334,7 @@ def _decompress(args: argparse.Namespace) -> int:
     try:
         part = codec.inspect(blob)["part"]
     except NotAContainerError as exc:
-        raise _not_a_container(str(args.input), blob, exc) from None
+        raise _not_a_container(str(args.input), blob, exc, "decompress") from None
     if part != "whole":  # a skeleton would decode to its state with every K/V byte zero
         raise InvalidArgumentError(
             f"{args.input} is a chunked context's {part} object, not a whole container: its context "
@@ -367,7 +368,7 @@ def _envelope(blob: bytes) -> dict[str, Any] | None:
         meta = StateMeta.unpack(codec.user_meta(blob))
     except CacheGenError:
         return None
-    return {
+    info = {
         "scope": meta.scope,
         "seq_id": meta.seq_id,
         "n_ctx": meta.n_ctx,
@@ -375,6 +376,13 @@ def _envelope(blob: bytes) -> dict[str, Any] | None:
         "last_logits": meta.logits is not None,
         "fingerprint": meta.fingerprint,
     }
+    if meta.lossy is not None:  # the level says how it was stored, not what the saver held
+        info["saved from"] = _lossy_record(meta.lossy)
+    return info
+
+
+def _lossy_record(lossy: tuple[int, str]) -> str:
+    return f"K/V decoded from {lossy[1]} from position {lossy[0]} on: no level restores more than that"
 
 
 def _manifest_info(data: bytes) -> dict[str, Any]:
@@ -390,6 +398,8 @@ def _manifest_info(data: bytes) -> dict[str, Any]:
         "levels": list(m.levels),
         "fingerprint": m.meta.fingerprint,
     }
+    if m.meta.lossy is not None:  # the levels say how it was stored, not what the saver held
+        info["saved from"] = _lossy_record(m.meta.lossy)
     if m.chunk_tokens is None:
         info["wholes"] = {level: {"id": i, "bytes": size} for level, (i, size) in m.wholes.items()}
         return info
@@ -427,6 +437,9 @@ def _inspect(args: argparse.Namespace) -> int:
             info: dict[str, Any] = _manifest_info(data)
         else:
             info = {"type": "llama-cachegen container", **codec.inspect(data)}
+            if info["part"] in ("chunk", "stats"):  # a state's figures: 0 here, which reads as a fact
+                for key in ("tokens", "state_size", "ratio", "chunkable"):
+                    info[key] = None
             envelope = _envelope(data)
             if envelope is not None:
                 info["llama_cpp_python"] = envelope
@@ -715,6 +728,10 @@ def _load(args: argparse.Namespace) -> int:
         n_ctx = n_ctx or n_tokens + 256
         saved = m.meta.fingerprint
     else:  # a whole container: its envelope, when it has one (else the load says what it is)
+        try:
+            codec.inspect(data)
+        except NotAContainerError as exc:
+            raise _not_a_container(redact(args.url), data, exc, "load") from None
         with contextlib.suppress(CacheGenError):
             saved = StateMeta.unpack(codec.user_meta(data)).fingerprint
     llm = _open_llama(model, n_ctx or 4096, args.threads, **_context_params(saved or {}))
@@ -737,6 +754,12 @@ def _load(args: argparse.Namespace) -> int:
             progress=progress,
             manifest=data,  # a whole container too: read once, and counted once in the SLO
         )
+    except ModelMismatchError as exc:
+        if args.model:
+            raise
+        raise ModelMismatchError(
+            f"{exc} (loaded into the default model: name the saver's with --model GGUF)"
+        ) from None
     finally:
         bar.close()
     # the report from the manifest's read on (1 MB of Gemma 3's last logits took 1.2 s at 8 Mbit/s)
