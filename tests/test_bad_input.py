@@ -398,17 +398,15 @@ def _struct(name: str, size: int, fill: int = 0) -> tuple[Any, Any]:
     """A caller's `name` of `size` bytes (another header's layout), every byte `fill`; returns the
     pointer and the memory it points into (keep it alive)."""
     memory = codec.ffi.new("uint8_t[]", [fill] * size)
-    struct_ = codec.ffi.cast(f"{name} *", memory)
-    struct_.struct_size = size
-    return struct_, memory
+    return codec.ffi.cast(f"{name} *", memory), memory
 
 
 def test_parameter_structs_of_other_layouts() -> None:
-    """lcg_encode_params as the header's growth rule says: a struct smaller than this version's (an
-    older header) or of size 0 or absurd is refused before anything past struct_size is read (ASan
-    would see the read); a newer caller's larger struct is accepted when the fields this library
-    does not know are 0 (the same container) and refused, naming the byte, when one is set;
-    reserved fields must be 0; lcg_encode_params_init fills defaults and zeroes a larger tail."""
+    """lcg_encode_params as the header's growth rule says: a struct smaller than 0.5's (an older
+    header), of size 0 or absurd is refused before anything past struct_size is read (ASan would
+    see the read); a newer caller's larger struct is accepted when the fields this library does
+    not know are 0 (the same container) and refused, naming the byte, when one is set; reserved
+    fields must be 0; lcg_encode_params_init fills defaults and zeroes a larger tail."""
     ffi, lib = codec.ffi, codec.lib
     ours = ffi.sizeof("lcg_encode_params")
     state = golden_state()
@@ -443,26 +441,26 @@ def test_parameter_structs_of_other_layouts() -> None:
 
 
 def test_info_structs_of_other_layouts() -> None:
-    """lcg_info: a newer caller's larger struct gets this library's fields and 0 in the rest (its
-    struct_size kept); smaller, 0 or absurd sizes are refused and nothing is written."""
+    """lcg_info, whose size the caller passes (it was read from the struct the library is to
+    fill: a 0.4 caller's stack garbage, and the library zeroed that many bytes past it): a newer
+    caller's larger struct gets this library's fields and 0 in the rest; smaller than 0.5's, 0 or
+    absurd sizes are refused and nothing is written."""
     ffi, lib = codec.ffi, codec.lib
     ours = ffi.sizeof("lcg_info")
     blob, state = golden_container("balanced"), golden_state()
-    for call, src in (
-        (lambda i: lib.lcg_inspect(blob, len(blob), i), blob),
-        (lambda i: lib.lcg_inspect_state(state, len(state), 0, i), state),
+    for call, expected in (
+        (lambda i, n: lib.lcg_inspect(blob, len(blob), i, n), codec.inspect(blob)),
+        (lambda i, n: lib.lcg_inspect_state(state, len(state), 0, i, n), codec.inspect_state(state)),
     ):
         larger, memory = _struct("lcg_info", ours + 32, fill=0xA5)
-        codec.check(call(larger))
-        assert larger.struct_size == ours + 32 and bytes(ffi.buffer(memory))[ours:] == bytes(32)
-        expected = codec.inspect(src) if src is blob else codec.inspect_state(src)
+        codec.check(call(larger, ours + 32))
+        assert bytes(ffi.buffer(memory))[ours:] == bytes(32)
         assert larger.n_cells == expected["cells"] and larger.n_tensors == expected["tensors"]
         for size, match in [(ours - 8, "older than 0.5"), (0, "is 0"), (1 << 20, "not a size")]:
             info, memory = _struct("lcg_info", ours, fill=0xA5)
-            info.struct_size = size
             with pytest.raises(lcg.InvalidArgumentError, match=match):
-                codec.check(call(info))
-            assert bytes(ffi.buffer(memory))[4:] == b"\xa5" * (ours - 4)
+                codec.check(call(info, size))
+            assert bytes(ffi.buffer(memory)) == b"\xa5" * ours
 
 
 def test_golden_bad_containers_fail() -> None:

@@ -338,6 +338,16 @@ def test_a_prefix_lookup_without_a_size_finds_chunks_of_any_size(
     # the longest chain wins where several sizes hold the prefix
     chunks.save_chunked(llm, tmp_path / "prompts" / "ctx", levels=("lossless",), chunk_tokens=32)
     assert chunks.longest_prefix(tmp_path / "prompts", llm, tokens["a"]).positions == 230
+    # a save shorter than its chunk size: one partial chunk, found by the tokens it holds
+    short = tokens["a"][:81]
+    writer = _llama(n_ctx=512)
+    writer.eval(short)
+    for size in (128, 512):
+        chunks.save_chunked(
+            writer, tmp_path / f"short{size}" / "ctx", levels=("lossless",), chunk_tokens=size
+        )
+        match = chunks.longest_prefix(tmp_path / f"short{size}", llm, short)
+        assert (match.chunk_tokens, match.positions) == (size, 81)
 
 
 def test_a_level_asked_of_a_whole_container(contexts: dict[str, Any], tmp_path: Path) -> None:
@@ -355,8 +365,18 @@ def test_a_level_asked_of_a_whole_container(contexts: dict[str, Any], tmp_path: 
         other,
         lambda: other.load_compressed_state(tmp_path / "whole.lcg", level="high"),
         InvalidArgumentError,
-        "one whole object at lossless, not a chunked context: level='high'",
+        "one whole container at lossless, not a chunked context: level='high'",
     )
+    # damaged, it says so; a chunk object is no context
+    blob = bytearray((tmp_path / "whole.lcg").read_bytes())
+    blob[8] ^= 1
+    (tmp_path / "damaged.lcg").write_bytes(blob)
+    with pytest.raises(ChecksumError):
+        other.load_compressed_state(tmp_path / "damaged.lcg", level="lossless")
+    llm.save_compressed_state(tmp_path / "ctx", levels=("lossless",), chunk_tokens=64)
+    chunk = next(p for p in tmp_path.rglob("*") if p.is_file() and "/chunks/" in p.as_posix())
+    with pytest.raises(InvalidArgumentError, match="a chunked context's chunk object: load the context from"):
+        other.load_compressed_state(chunk, level="lossless")
 
 
 # ---- refusals -----------------------------------------------------------------------------------

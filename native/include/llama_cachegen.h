@@ -19,14 +19,15 @@
  *  - Input buffers are never written to. Untrusted containers are safe to decode: every length is
  *    checked against the buffer and against LCG_MAX_* bounds before anything is allocated.
  *  - Buffers returned by the library are freed with lcg_free() (NULL is accepted).
- *  - lcg_encode_params and lcg_info start with struct_size, the sizeof the caller's header gives
- *    them, so that either side can add fields at the end without breaking the other's binaries (the
- *    rule of Linux's openat2/clone3 structs): a library reads or writes only the caller's
- *    struct_size bytes; fields it knows and the caller's struct lacks take their defaults
- *    (parameters) or are not reported (info); a caller's fields it does not know must be 0
- *    (parameters: else LCG_ERR_INVALID_ARGUMENT) or are written 0 (info). Sizes below this
- *    version's (0.5, the first with this rule) are refused. Fields named reserved are 0 (a caller
- *    sets them so, as lcg_encode_params_init does; the library writes them so).
+ *  - Structs grow at their end only, and each call is told the size of the caller's (sizeof as
+ *    the caller's header gives it: lcg_encode_params.struct_size, set by lcg_encode_params_init;
+ *    the info_size argument of the lcg_inspect calls), so that either side can add fields without
+ *    breaking the other's binaries (the rule of Linux's openat2/clone3 structs): a library reads
+ *    or writes only the caller's bytes; fields it knows and the caller's struct lacks take their
+ *    defaults (parameters) or are not reported (info); a caller's fields it does not know must be 0
+ *    (parameters: else LCG_ERR_INVALID_ARGUMENT) or are written 0 (info). Sizes below 0.5's (the
+ *    first version with this rule), and above 4096, are refused. Fields named reserved are 0 (a
+ *    caller sets them so, as lcg_encode_params_init does; the library writes them so).
  *  - Container byte layout: docs/format.md. llama.cpp layouts read: docs/llama-state.md.
  *
  * The declarations between the cffi markers below are read verbatim by the Python binding
@@ -177,9 +178,7 @@ typedef struct {
 
 /* What lcg_inspect reports about a container, from its header and layout only. */
 typedef struct {
-    uint32_t struct_size;       /* the caller sets sizeof(lcg_info) (see the conventions above)  */
     uint32_t format_version;
-    int32_t  part;              /* lcg_part                                                      */
     int32_t  level;             /* lcg_level it was encoded at (skeleton: LCG_LEVEL_LOSSLESS)    */
     int32_t  state_kind;        /* lcg_state_kind of the original state                         */
     uint32_t n_sections;
@@ -194,6 +193,7 @@ typedef struct {
     int32_t  n_sink_tokens;
     int32_t  ref_type;          /* ggml type of the reference cache type the steps follow, or -1 */
     float    error_scale;       /* squared error / the reference's (when ref_type >= 0)          */
+    int32_t  part;              /* lcg_part                                                      */
     uint32_t n_caches;          /* KV caches (2 for interleaved sliding-window models)           */
     uint32_t pos_begin, pos_end;/* chunk: its positions; whole/skeleton of a chunkable state: 0, n */
     uint8_t  stats_id[32];      /* chunk: the id of the statistics it was coded with             */
@@ -203,7 +203,7 @@ typedef struct {
                                    chunks then load at its full length only                   */
     int32_t  k_type, v_type;    /* lcg_inspect_state: ggml type of the first K and V tensors (-1:
                                    none, e.g. no cells); 0 elsewhere                            */
-    uint32_t reserved;
+    uint32_t reserved[2];
 } lcg_info;
 
 /* One entry of the container's section table. */
@@ -257,9 +257,9 @@ LCG_API int lcg_decoded_size(const void * container, size_t container_size, size
 LCG_API int lcg_decode(const void * container, size_t container_size, int32_t n_threads,
                        void * dst, size_t dst_capacity, size_t * written);
 
-/* Reads a container's header, section table and layout; verifies those checksums only. The
- * caller sets info->struct_size = sizeof(lcg_info) first (as for lcg_inspect_state). */
-LCG_API int lcg_inspect(const void * container, size_t container_size, lcg_info * info);
+/* Reads a container's header, section table and layout; verifies those checksums only.
+ * info_size: sizeof(lcg_info) (the conventions above). */
+LCG_API int lcg_inspect(const void * container, size_t container_size, lcg_info * info, size_t info_size);
 /* The section table: up to `capacity` entries into `sections`; *n_sections gets the count (call
  * with capacity 0 to ask). One pass over the header. */
 LCG_API int lcg_inspect_sections(const void * container, size_t container_size, lcg_section * sections,
@@ -273,7 +273,7 @@ LCG_API int lcg_user_meta(const void * container, size_t container_size,
 /* Parses a llama.cpp state without encoding it: kind, cells, layers, tensors, K/V bytes, caches,
  * whether it can be chunked (pos_end = its positions). container_size and format_version are 0. */
 LCG_API int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind,
-                              lcg_info * info);
+                              lcg_info * info, size_t info_size);
 
 /* ---- chunks ---------------------------------------------------------------------------------
  * A chunkable state (every stream with cells holds positions 0..n-1 once, each cell of one and the
@@ -374,7 +374,7 @@ LCG_API int lcg_device_alloc(size_t size, void ** device_ptr);
 LCG_API void lcg_device_free(void * device_ptr);
 LCG_API int lcg_device_copy(void * dst, const void * src, size_t size, void * cuda_stream);
 
-/* Where the last lcg_decode_device / lcg_decode_chunk_device of this thread spent its device time,
+/* Where the last device decode call of this thread spent its device time,
  * in seconds (CUDA events): uploading the object and its plan, and the kernels. For benchmarks. */
 LCG_API void lcg_device_last_timing(double * upload_s, double * kernels_s);
 

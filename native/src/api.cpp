@@ -2,7 +2,9 @@
 #include "codec.h"
 #include "device.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <new>
 
@@ -50,26 +52,29 @@ lcg_encode_params default_params() {
     return p;
 }
 
-// A caller's struct of struct_size bytes against this library's `ours` (the header's rule): sizes
-// below this version's are refused, and sizes past any struct's plausible growth, which would read
-// or write far past the caller's memory (a struct_size left unset).
+// The size of each struct at 0.5, the first version whose callers pass theirs: the least a caller
+// may pass (the fields after these, added later, take defaults or go unreported for such callers).
+constexpr size_t PARAMS_SIZE_0_5 = offsetof(lcg_encode_params, reserved1) + sizeof(uint32_t);
+constexpr size_t INFO_SIZE_0_5 = offsetof(lcg_info, reserved) + sizeof(lcg_info::reserved);
+// Past any struct's plausible growth: a size left unset, which would read or write far past the
+// caller's memory.
 constexpr size_t MAX_STRUCT_SIZE = 4096;
-void check_struct_size(const char * name, size_t struct_size, size_t ours) {
-    LCG_CHECK(struct_size != 0, LCG_ERR_INVALID_ARGUMENT, "%s.struct_size is 0: set it to sizeof(%s)", name, name);
-    LCG_CHECK(struct_size >= ours, LCG_ERR_INVALID_ARGUMENT,
-              "%s.struct_size is %zu, less than this library's %zu: a caller's header older than 0.5", name,
-              struct_size, ours);
-    LCG_CHECK(struct_size <= MAX_STRUCT_SIZE, LCG_ERR_INVALID_ARGUMENT,
-              "%s.struct_size is %zu: more than %zu, not a size of this struct", name, struct_size, MAX_STRUCT_SIZE);
+
+void check_struct_size(const char * name, size_t size, size_t least) {
+    LCG_CHECK(size != 0, LCG_ERR_INVALID_ARGUMENT, "the size of %s is 0: pass sizeof(%s)", name, name);
+    LCG_CHECK(size >= least, LCG_ERR_INVALID_ARGUMENT,
+              "the size of %s is %zu, less than 0.5's %zu: a caller's header older than 0.5", name, size, least);
+    LCG_CHECK(size <= MAX_STRUCT_SIZE, LCG_ERR_INVALID_ARGUMENT,
+              "the size of %s is %zu: more than %zu, not a size of this struct", name, size, MAX_STRUCT_SIZE);
 }
 
-// Writes `out` into the caller's info of info->struct_size bytes (checked by check_struct_size):
-// the caller's fields this library does not know are 0.
-void put_info(lcg_info * info, const lcg_info & out) {
-    const uint32_t struct_size = info->struct_size;
-    std::memset(reinterpret_cast<uint8_t *>(info) + sizeof(out), 0, struct_size - sizeof(out));
-    *info = out;
-    info->struct_size = struct_size;
+// Writes `out` into the caller's info of `size` bytes (checked): its fields this library does not
+// know are written 0, and this library's fields past its size are not written.
+void put_info(lcg_info * info, size_t size, const lcg_info & out) {
+    std::memcpy(info, &out, std::min(size, sizeof(out)));
+    if (size > sizeof(out)) {
+        std::memset(reinterpret_cast<uint8_t *>(info) + sizeof(out), 0, size - sizeof(out));
+    }
 }
 
 // Checked encode options from the caller's parameters (NULL: the defaults).
@@ -78,14 +83,15 @@ EncodeOptions options(const lcg_encode_params * params) {
     // larger one's fields past ours would be ignored, when they may ask for something
     lcg_encode_params p = default_params();
     if (params) {
-        check_struct_size("lcg_encode_params", params->struct_size, sizeof(p));
-        const uint8_t * extra = reinterpret_cast<const uint8_t *>(params) + sizeof(p);
-        for (size_t i = 0; i < params->struct_size - sizeof(p); i++) {
-            LCG_CHECK(extra[i] == 0, LCG_ERR_INVALID_ARGUMENT,
-                      "lcg_encode_params byte %zu (of %u) is set: a field this library (%d.%d) does not know",
-                      sizeof(p) + i, params->struct_size, LCG_VERSION_MAJOR, LCG_VERSION_MINOR);
+        const size_t size = params->struct_size;
+        check_struct_size("lcg_encode_params", size, PARAMS_SIZE_0_5);
+        const uint8_t * caller = reinterpret_cast<const uint8_t *>(params);
+        for (size_t i = sizeof(p); i < size; i++) {
+            LCG_CHECK(caller[i] == 0, LCG_ERR_INVALID_ARGUMENT,
+                      "lcg_encode_params byte %zu (of %zu) is set: a field this library (%d.%d) does not know", i,
+                      size, LCG_VERSION_MAJOR, LCG_VERSION_MINOR);
         }
-        p = *params;
+        std::memcpy(&p, params, std::min(size, sizeof(p)));  // fields past the caller's: defaults
     }
     LCG_CHECK(p.reserved0 == 0 && p.reserved1 == 0, LCG_ERR_INVALID_ARGUMENT,
               "lcg_encode_params.reserved0/1 must be 0 (start from lcg_encode_params_init)");
@@ -199,10 +205,13 @@ const char * lcg_last_error(void) { return last_error.c_str(); }
 int lcg_encode_params_init(lcg_encode_params * params, size_t struct_size) {
     return guarded([&] {
         LCG_CHECK(params != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
-        check_struct_size("lcg_encode_params", struct_size, sizeof(*params));
-        std::memset(params, 0, struct_size);  // the caller's fields this library does not know: 0
-        *params = default_params();
-        params->struct_size = static_cast<uint32_t>(struct_size);
+        check_struct_size("lcg_encode_params", struct_size, PARAMS_SIZE_0_5);
+        lcg_encode_params p = default_params();
+        p.struct_size = static_cast<uint32_t>(struct_size);
+        std::memcpy(params, &p, std::min(struct_size, sizeof(p)));
+        if (struct_size > sizeof(p)) {  // the caller's fields this library does not know: 0
+            std::memset(reinterpret_cast<uint8_t *>(params) + sizeof(p), 0, struct_size - sizeof(p));
+        }
     });
 }
 
@@ -235,10 +244,10 @@ int lcg_decode(const void * container, size_t container_size, int32_t n_threads,
     });
 }
 
-int lcg_inspect(const void * container, size_t container_size, lcg_info * info) {
+int lcg_inspect(const void * container, size_t container_size, lcg_info * info, size_t info_size) {
     return guarded([&] {
         LCG_CHECK(container != nullptr && info != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
-        check_struct_size("lcg_info", info->struct_size, sizeof(lcg_info));
+        check_struct_size("lcg_info", info_size, INFO_SIZE_0_5);
         const ContainerView c = read_container(static_cast<const uint8_t *>(container), container_size);
         const Layout L = read_layout(c);
         lcg_info out{};
@@ -270,7 +279,7 @@ int lcg_inspect(const void * container, size_t container_size, lcg_info * info) 
                 std::memcpy(out.stats_id, c.data + s.offset, sizeof(out.stats_id));
             }
         }
-        put_info(info, out);
+        put_info(info, info_size, out);
     });
 }
 
@@ -304,12 +313,13 @@ int lcg_user_meta(const void * container, size_t container_size, const void ** m
     });
 }
 
-int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind, lcg_info * info) {
+int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind, lcg_info * info,
+                      size_t info_size) {
     return guarded([&] {
         LCG_CHECK(state != nullptr && info != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
         LCG_CHECK(state_kind >= LCG_KIND_AUTO && state_kind <= LCG_KIND_SESSION, LCG_ERR_INVALID_ARGUMENT,
                   "unknown state kind %d", state_kind);
-        check_struct_size("lcg_info", info->struct_size, sizeof(lcg_info));
+        check_struct_size("lcg_info", info_size, INFO_SIZE_0_5);
         const ParsedState st = parse_state(static_cast<const uint8_t *>(state), state_size, state_kind);
         lcg_info out{};
         out.state_kind = st.kind;
@@ -332,7 +342,7 @@ int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind,
         } catch (const Error &) {
             out.chunkable = 0;
         }
-        put_info(info, out);
+        put_info(info, info_size, out);
     });
 }
 

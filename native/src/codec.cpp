@@ -74,13 +74,6 @@ std::vector<const lcg_section *> tensor_sections(const ContainerView & c, uint32
     return out;
 }
 
-ContainerView read_part(const uint8_t * data, size_t size, int32_t part, const char * what) {
-    ContainerView c = read_container(data, size);
-    LCG_CHECK(c.header.part == part, LCG_ERR_INVALID_ARGUMENT, "the object is not %s (part %d)", what,
-              c.header.part);
-    return c;
-}
-
 std::vector<std::vector<uint8_t>> sink_flags(const ParsedState & st, const EncodeOptions & opt) {
     std::vector<std::vector<uint8_t>> is_sink(st.groups.size());
     for (size_t g = 0; g < st.groups.size(); g++) {
@@ -240,6 +233,13 @@ std::vector<std::vector<uint32_t>> rows_of(const std::vector<std::vector<uint32_
 }
 
 } // namespace
+
+ContainerView read_part(const uint8_t * data, size_t size, int32_t part, const char * what) {
+    ContainerView c = read_container(data, size);
+    LCG_CHECK(c.header.part == part, LCG_ERR_INVALID_ARGUMENT, "the object is not %s (part %d)", what,
+              c.header.part);
+    return c;
+}
 
 Layout read_layout(const ContainerView & c) {
     const lcg_section & sec = only_section(c, LCG_SECTION_LAYOUT, "layout");

@@ -83,6 +83,9 @@ uint8_t * chunker_stats(const Chunker & ch, size_t * out_size);
 uint8_t * chunker_encode(const Chunker & ch, uint32_t pos_begin, uint32_t pos_end, const uint8_t * stats_id,
                          const uint8_t * user_meta, size_t user_meta_size, size_t * out_size);
 
+// The container at data, which must be of `part` (else LCG_ERR_INVALID_ARGUMENT naming `what`).
+ContainerView read_part(const uint8_t * data, size_t size, int32_t part, const char * what);
+
 // A statistics object opened for decoding: checked once, tables expanded once, shared by chunks.
 struct Stats {
     int32_t level;

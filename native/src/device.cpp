@@ -400,7 +400,9 @@ void decode_chunks_device(const uint8_t * const * chunks, const size_t * chunk_s
                           const Stats & stats, DeviceStats & cache, const uint8_t * state, size_t state_size,
                           uint8_t * device_state, void * stream) {
     const cuda::Backend & b = require_device();
-    LCG_CHECK(n_chunks > 0, LCG_ERR_INVALID_ARGUMENT, "no chunks");
+    if (n_chunks == 0) {
+        return;  // as lcg_decode_chunks
+    }
     // The plan addresses one uploaded object: several chunks go side by side in one buffer, each
     // at a multiple of 256 bytes, as cudaMalloc places a chunk uploaded alone. One launch for all:
     // a 256-token chunk of a 7B-class state alone fills 32 blocks of an H100's 132 multiprocessors.
@@ -413,7 +415,7 @@ void decode_chunks_device(const uint8_t * const * chunks, const size_t * chunk_s
     size_t total = 0;
     for (size_t k = 0; k < n_chunks; k++) {
         LCG_CHECK(chunks[k] != nullptr, LCG_ERR_INVALID_ARGUMENT, "chunk %zu is NULL", k);
-        const ContainerHeader h = read_container(chunks[k], chunk_sizes[k]).header;
+        const ContainerHeader h = read_part(chunks[k], chunk_sizes[k], LCG_PART_CHUNK, "a chunk").header;
         spans.push_back({h.pos_begin, h.pos_end, k});
         at[k] = total;
         total += (chunk_sizes[k] + 255) & ~size_t(255);  // no overflow: each chunk is in memory

@@ -48,6 +48,7 @@ from .errors import (
     InvalidArgumentError,
     LimitExceededError,
     ModelMismatchError,
+    NotAContainerError,
     StoreError,
     UnsupportedFormatError,
     UnsupportedVersionError,
@@ -973,15 +974,21 @@ def load_chunked(
 
 def _whole_at(data: bytes, level: str | None, url: str | Path) -> bool:
     """Whether `data`, where a manifest was expected, is a whole container to load at `level`; one
-    of another level is refused, naming its own (it was "not a llama-cachegen manifest")."""
+    of another level is refused, naming its own (it was "not a llama-cachegen manifest"), and so is
+    another part of a chunked context. A damaged container raises what is wrong with it."""
     try:
         stored = codec.inspect(data)
-    except CacheGenError:
+    except NotAContainerError:
         return False  # neither: Manifest.unpack says what it found
-    if stored["part"] != "whole" or level not in (None, stored["level"]):
+    where = stores.redact(str(url))
+    if stored["part"] != "whole":
         raise InvalidArgumentError(
-            f"{stores.redact(str(url))} holds one {stored['part']} object at {stored['level']}, "
-            f"not a chunked context: level={level!r} is not stored there"
+            f"{where} is a chunked context's {stored['part']} object: load the context from its manifest"
+        )
+    if level not in (None, stored["level"]):
+        raise InvalidArgumentError(
+            f"{where} holds one whole container at {stored['level']}, not a chunked context: "
+            f"level={level!r} is not stored there"
         )
     return True
 
@@ -1093,7 +1100,8 @@ def _match_sized(
     match = _match(store, fingerprint, tokens, DEFAULT_CHUNK_TOKENS, probe)
     if match.chunks:
         return match
-    sizes = [c for c in PROBED_CHUNK_TOKENS if c != DEFAULT_CHUNK_TOKENS and c <= tokens.size]
+    sizes = [c for c in PROBED_CHUNK_TOKENS if c != DEFAULT_CHUNK_TOKENS]
+    # a size past the tokens: one partial chunk of them all (a save as short as they are)
     firsts = [chain_keys(fingerprint, tokens[:c], c)[0] for c in sizes]
     flags = iter(store.exists_many([_chunk_key(key, lv) for key in firsts for lv in probe]))
     for c in [c for c in sizes if any([next(flags) for _ in probe])]:

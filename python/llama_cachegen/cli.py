@@ -705,7 +705,7 @@ def _load(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from . import chunks
-    from .llama import StateMeta, model_n_ctx_train
+    from .llama import StateMeta, check_fingerprint, model_fingerprint, model_n_ctx_train
     from .stream import ChunkRecord, load_streaming
 
     start = time.perf_counter()
@@ -735,6 +735,13 @@ def _load(args: argparse.Namespace) -> int:
         with contextlib.suppress(CacheGenError):
             saved = StateMeta.unpack(codec.user_meta(data)).fingerprint
     llm = _open_llama(model, n_ctx or 4096, args.threads, **_context_params(saved or {}))
+    if saved is not None and args.model is None:  # what the load would refuse, with what to do
+        try:
+            check_fingerprint(saved, model_fingerprint(llm))
+        except ModelMismatchError as exc:
+            raise ModelMismatchError(
+                f"{exc} (the default model: name the saver's with --model GGUF)"
+            ) from None
     bar = tqdm(total=n_chunks, unit="chunk", file=sys.stderr, disable=args.json or None)
 
     def progress(record: ChunkRecord) -> None:
@@ -754,12 +761,6 @@ def _load(args: argparse.Namespace) -> int:
             progress=progress,
             manifest=data,  # a whole container too: read once, and counted once in the SLO
         )
-    except ModelMismatchError as exc:
-        if args.model:
-            raise
-        raise ModelMismatchError(
-            f"{exc} (loaded into the default model: name the saver's with --model GGUF)"
-        ) from None
     finally:
         bar.close()
     # the report from the manifest's read on (1 MB of Gemma 3's last logits took 1.2 s at 8 Mbit/s)

@@ -509,18 +509,12 @@ def _info_dict(info: Any) -> dict[str, Any]:
     }
 
 
-def _new_info() -> Any:
-    info = ffi.new("lcg_info *")
-    info.struct_size = ffi.sizeof("lcg_info")
-    return info
-
-
 def inspect(blob: Buffer) -> dict[str, Any]:
     """Describes a container object (whole, skeleton, stats or chunk): kind, layout, level and knobs,
     sizes per section, ratio."""
     src = _view(blob)
-    info = _new_info()
-    check(lib.lcg_inspect(src, len(src), info))
+    info = ffi.new("lcg_info *")
+    check(lib.lcg_inspect(src, len(src), info, ffi.sizeof(info[0])))
     result = _info_dict(info)
     result.update(
         container_size=info.container_size,
@@ -551,8 +545,8 @@ def inspect_state(state: Buffer, kind: str = "auto") -> dict[str, Any]:
     "tail": bytes follow its KV caches (a hybrid model's recurrent state, of the last position);
     "type_k", "type_v": the ggml type ids of its first K and V tensors (-1: none)."""
     src = _view(state)
-    info = _new_info()
-    check(lib.lcg_inspect_state(src, len(src), _kind(kind), info))
+    info = ffi.new("lcg_info *")
+    check(lib.lcg_inspect_state(src, len(src), _kind(kind), info, ffi.sizeof(info[0])))
     fields = {k: v for k, v in _info_dict(info).items() if k not in _CONTAINER_FIELDS}
     return {**fields, "tail": bool(info.has_tail), "type_k": info.k_type, "type_v": info.v_type}
 

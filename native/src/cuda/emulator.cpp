@@ -95,21 +95,25 @@ int copy(void * dst, const void * src, size_t size, void *, char *, size_t) {
 
 int decode(Plan * plan, void *, uint32_t * status, char *, size_t) {
     Plan & p = *plan;
+    // "Uploads" as decode.cu's: the kernels see copies of the container_size and arena_size bytes
+    // the plan names, so that a plan addressing past them (or from another base) fails here too
+    const std::vector<uint8_t> container(p.container, p.container + p.container_size);
+    const std::vector<uint8_t> arena(p.arena, p.arena + p.arena_size);
     std::vector<uint64_t> escape_at(p.n_escapes);
     Args a;
-    a.container = p.container;
-    a.arena = p.arena;
-    a.stats = p.device_stats ? p.device_stats : p.arena + p.stats;
-    a.tensors = reinterpret_cast<const TensorJob *>(p.arena + p.tensors);
-    a.slices = reinterpret_cast<const SliceJob *>(p.arena + p.slices);
-    a.blocks = reinterpret_cast<const BlockJob *>(p.arena + p.blocks);
-    a.planes = reinterpret_cast<const PlaneJob *>(p.arena + p.planes);
-    a.copies = reinterpret_cast<const CopyJob *>(p.arena + p.copies);
+    a.container = container.data();
+    a.arena = arena.data();
+    a.stats = p.device_stats ? p.device_stats : a.arena + p.stats;
+    a.tensors = reinterpret_cast<const TensorJob *>(a.arena + p.tensors);
+    a.slices = reinterpret_cast<const SliceJob *>(a.arena + p.slices);
+    a.blocks = reinterpret_cast<const BlockJob *>(a.arena + p.blocks);
+    a.planes = reinterpret_cast<const PlaneJob *>(a.arena + p.planes);
+    a.copies = reinterpret_cast<const CopyJob *>(a.arena + p.copies);
     a.dst = p.dst;
     a.status = status;
     a.escape_at = escape_at.data();
-    a.escape_q = reinterpret_cast<const float *>(p.arena + p.escape_values);
-    const ZeroJob * zeros = reinterpret_cast<const ZeroJob *>(p.arena + p.zeros);
+    a.escape_q = reinterpret_cast<const float *>(a.arena + p.escape_values);
+    const ZeroJob * zeros = reinterpret_cast<const ZeroJob *>(a.arena + p.zeros);
     for (uint32_t z = 0; z < p.n_zeros; z++) {
         std::memset(p.dst + zeros[z].dst, 0, zeros[z].size);
     }
@@ -133,7 +137,7 @@ int decode(Plan * plan, void *, uint32_t * status, char *, size_t) {
         }
     }
     for (uint32_t c = 0; c < p.n_copies; c++) {
-        std::memcpy(p.dst + a.copies[c].dst, p.container + a.copies[c].src, a.copies[c].size);
+        std::memcpy(p.dst + a.copies[c].dst, a.container + a.copies[c].src, a.copies[c].size);
     }
     p.seconds[0] = p.seconds[1] = 0.0;
     return LCG_OK;
