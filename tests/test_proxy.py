@@ -4,6 +4,7 @@ llama-cpp-python's llama.cpp), a proxy before each, one redis-server as the shar
 from __future__ import annotations
 
 import functools
+import http.client
 import json
 import shutil
 import signal
@@ -25,7 +26,7 @@ import pytest
 import tiny_models
 from conftest import kv_cache_bytes, seq_buffer
 from llama_cachegen.chunks import PREFIX
-from llama_cachegen.errors import CorruptDataError, UnsupportedFormatError
+from llama_cachegen.errors import CacheGenError, CorruptDataError, UnsupportedFormatError
 from llama_cachegen.model import sample_text
 from llama_cachegen.proxy import (
     RESTORED_HEADER,
@@ -169,18 +170,23 @@ def test_every_file_of_a_split_model_is_watched(tmp_path: Path) -> None:
 
 
 def test_refuses_public_listen_without_token(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "llama_cachegen", "proxy", "--server", "http://127.0.0.1:9", "--slot-dir",
-         str(tmp_path), "--store", str(tmp_path), "--listen", "0.0.0.0:0"],
-        capture_output=True, text=True, timeout=60, env=_env_without_token(),
-    )  # fmt: skip
-    assert proc.returncode == 1 and "without a token" in proc.stderr
+    """Its clients' token is LLAMA_CACHEGEN_PROXY_TOKEN's (or --token-file's): LLAMA_CACHEGEN_TOKEN is
+    an HTTP store's, which the proxy took for its clients' too (a loopback proxy on a token store
+    then refused every client that did not send the store's token)."""
+    argv = [sys.executable, "-m", "llama_cachegen", "proxy", "--server", "http://127.0.0.1:9", "--slot-dir",
+            str(tmp_path), "--store", str(tmp_path), "--listen", "0.0.0.0:0"]  # fmt: skip
+    for env in ({}, {"LLAMA_CACHEGEN_TOKEN": "the-store-token-0123456789"}):
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, env=_env_without_token() | env
+        )
+        assert proc.returncode == 1 and "without a token" in proc.stderr and "PROXY_TOKEN" in proc.stderr
 
 
 def _env_without_token() -> dict[str, str]:
     import os
 
-    return {k: v for k, v in os.environ.items() if k != "LLAMA_CACHEGEN_TOKEN"}
+    tokens = ("LLAMA_CACHEGEN_TOKEN", "LLAMA_CACHEGEN_PROXY_TOKEN")
+    return {k: v for k, v in os.environ.items() if k not in tokens}
 
 
 # ---- processes ----------------------------------------------------------------------------------
@@ -954,3 +960,59 @@ def test_a_proxy_starts_while_a_slot_generates(cluster: Cluster, tmp_path: Path)
         slots = json.loads(http_status(server + "/slots")[1])
         assert slots[0]["is_processing"] and not slots[1]["is_processing"]
         assert http_status(proxy + "/health")[0] == 200
+
+
+def test_a_proxy_told_another_model_refuses_to_start(
+    nodes: tuple[Node, Node], cluster: Cluster, tmp_path: Path
+) -> None:
+    """--model naming a file other than the one the server loaded: the proxy stored the server's
+    K/V under that model's fingerprint (a SmolLM2 server's proxy told --model Gemma did so, and
+    every Gemma proxy then had its restores refused), and would restore a same-shape model's."""
+    other = tiny_models.write_qwen3(tmp_path / "other.gguf")
+    store = tmp_path / "store"
+    name = str(len(cluster.procs))
+    with pytest.raises(CacheGenError, match="exited with 1"):
+        cluster.proxy_of(nodes[0].server, nodes[0].slot_dir, str(store), "--model", str(other))
+    log = (cluster.root / f"proxy-{name}.log").read_text()
+    assert "and --model names" in log and "other.gguf" in log, log
+    assert not store.exists() or not any(p.is_file() for p in store.rglob("*"))
+
+
+def test_a_server_that_dies_mid_answer_breaks_the_answer_off(cluster: Cluster, tmp_path: Path) -> None:
+    """A streamed answer whose server died: the proxy ended it as a whole one (the last chunk
+    sent), so a client reading to the end took the cut answer for the full one; it now breaks off
+    as the server's own connection does."""
+    server, slot_dir = cluster.server("dies")
+    server_proc = cluster.procs[-1]
+    proxy = cluster.proxy_of(server, slot_dir, str(tmp_path / "store"))
+    host, port = proxy.removeprefix("http://").split(":")
+    body = {"prompt": "Once upon a time", "n_predict": 4000, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # generating
+    server_proc.kill()
+    server_proc.wait(30)
+    with pytest.raises(http.client.IncompleteRead):
+        response.read()
+    conn.close()
+
+
+def test_a_proxy_given_the_wrong_slot_dir_leaves_one_probe_file(
+    nodes: tuple[Node, Node], cluster: Cluster, tmp_path: Path
+) -> None:
+    """Start-up saves a slot to read the server's KV streams: with a wrong --slot-dir it was found
+    nowhere, and each try (a supervisor restarting the proxy) left another copy of the slot's
+    state in the server's own directory under a new name."""
+    before = set(nodes[0].slot_dir.iterdir())
+    for _ in range(2):
+        name = str(len(cluster.procs))
+        with pytest.raises(CacheGenError, match="exited with 1"):
+            cluster.proxy_of(nodes[0].server, tmp_path, str(tmp_path / "store"))
+        log = (cluster.root / f"proxy-{name}.log").read_text()
+        assert "not into" in log and "remove llama-cachegen-probe.bin" in log, log
+    left = set(nodes[0].slot_dir.iterdir()) - before
+    assert [p.name for p in left] == ["llama-cachegen-probe.bin"]
+    for path in left:
+        path.unlink()

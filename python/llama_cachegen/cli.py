@@ -1026,12 +1026,17 @@ def _parser() -> argparse.ArgumentParser:
         help="levels uploaded (default: high balanced)",
     )
     p.add_argument("--load-level", choices=levels, help="always load this level (default: by --slo)")
-    p.add_argument("--slo", type=_SECONDS, help="seconds a prefix load may take (default: no limit)")
+    p.add_argument(
+        "--slo",
+        type=_SECONDS,
+        help="seconds a prefix load may take (default: twice the server's time to compute the prompt, "
+        "10 s until it is known)",
+    )
     p.add_argument("--chunk-tokens", type=_COUNT, default=256, help="tokens per chunk (default: %(default)s)")
     p.add_argument(
         "--token-file",
-        help="bearer token clients must send (default: $LLAMA_CACHEGEN_TOKEN; without one, only a "
-        "loopback --listen is accepted)",
+        help="bearer token clients must send (default: $LLAMA_CACHEGEN_PROXY_TOKEN; without one, only a "
+        "loopback --listen is accepted; an HTTP --store's token is $LLAMA_CACHEGEN_TOKEN)",
     )
     p.add_argument("--server-key-file", help="the llama-server's --api-key, for the proxy's own calls")
     p.add_argument("--model", help="the GGUF the server loaded (default: its /props model_path)")

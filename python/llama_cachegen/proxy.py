@@ -57,7 +57,7 @@ from . import chunks, codec, stores
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, UnsupportedFormatError
 from .llama import FINGERPRINT_FIELDS, StateMeta, _file_identity, _model_files, _model_hash, better_level
 from .llama_format import GGML_TYPE_NAMES, GGML_TYPES, GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC
-from .stores.http import TOKEN_ENV, bearer_ok, is_loopback, load_token
+from .stores.http import bearer_ok, is_loopback, load_token
 
 log = logging.getLogger("llama_cachegen.proxy")
 
@@ -103,6 +103,11 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _TAIL_BYTES = 1 << 16  # the end of a response, where llama-server puts its timings
+# the token the proxy's own clients send; an HTTP store's is LLAMA_CACHEGEN_TOKEN (stores.http), so
+# that a proxy can hold both (one variable for both made a loopback proxy on a token store refuse
+# its clients, who were to send the store's token)
+PROXY_TOKEN_ENV = "LLAMA_CACHEGEN_PROXY_TOKEN"
+_PROBE_FILE = "llama-cachegen-probe.bin"  # the start-up slot save (_connect)
 _START_WAIT_S = 120.0  # how long start-up waits for the server to answer /props
 _LOAD_WAIT_S = 10.0  # longest a prefix load may take before the server's speed is measured
 _MIN_LOAD_S = 1.0  # ... and at least this long after
@@ -663,6 +668,14 @@ class Proxy:
         identity = self._identity_of(props)
         server_model, n_slots, n_ctx = identity[0], int(identity[1] or 1), int(identity[2] or 0)
         model = self.model or server_model
+        if self.model and server_model and Path(server_model).name != Path(self.model).name:
+            # its chunks would go into the store under the other model's fingerprint (a SmolLM2
+            # server's proxy told --model Gemma did so), and a same-shape model's would be restored
+            self.slots, self._identity = [], identity  # every completion passes through
+            raise InvalidArgumentError(
+                f"the server runs {server_model!r}, and --model names {self.model!r}: give the file the "
+                "server loaded (the same name)"
+            )
         if self._model_path is None:
             self._model_path = server_model
         elif self.model and server_model != self._model_path:
@@ -681,7 +694,9 @@ class Proxy:
         # the KV stream count, and the slot dir checked, from an idle slot: the server saves a busy
         # one when its task ends, and the proxy listens only once this is done
         idle = [e.get("id") for e in await self._slot_entries() if e.get("is_processing") is False]
-        probe = await self._save_slot(idle[0] if idle and type(idle[0]) is int else 0)
+        # one name for every start: a proxy given the wrong --slot-dir, restarted by a supervisor,
+        # left a copy of the slot's state in the server's directory at each try
+        probe = await self._save_slot(idle[0] if idle and type(idle[0]) is int else 0, _PROBE_FILE)
         _, offset = read_slot_file(probe)
         (n_stream,) = struct.unpack_from("<I", probe, offset)
         loop = asyncio.get_running_loop()
@@ -826,8 +841,12 @@ class Proxy:
                 await response.write_eof()
             except ConnectionResetError:  # the client left; leaving closes the server's request too
                 log.info("%s %s: the client disconnected", request.method, request.path)
-            except aiohttp.ClientPayloadError as exc:  # the server died mid-answer: the client's ends there
+            except aiohttp.ClientPayloadError as exc:  # the server died mid-answer
                 log.warning("%s %s: the server's answer broke off (%s)", request.method, request.path, exc)
+                # ended without its last chunk, as the server's own connection did: finished
+                # cleanly, a client reading to the end took the cut answer for a whole one
+                if request.transport is not None:
+                    request.transport.close()
             return response, tail
         finally:
             await upstream_cm.__aexit__(None, None, None)
@@ -1051,16 +1070,18 @@ class Proxy:
                 return "id_task" not in entry
         return False
 
-    async def _save_slot(self, slot_id: int) -> bytes:
-        """The slot's sequence file, saved by the server into the slot dir, read and removed."""
-        name = f"llama-cachegen-{self._nonce}-save-{slot_id}.bin"
+    async def _save_slot(self, slot_id: int, name: str | None = None) -> bytes:
+        """The slot's sequence file, saved by the server into the slot dir (as `name`), read and
+        removed."""
+        name = name or f"llama-cachegen-{self._nonce}-save-{slot_id}.bin"
         path = self.slot_dir / name
         await self._call("POST", f"/slots/{slot_id}?action=save", {"filename": name})
         try:
             return await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
         except FileNotFoundError:
             raise InvalidArgumentError(
-                f"the server saved its slot, but not into {self.slot_dir}: give the server's --slot-save-path"
+                f"the server saved its slot, but not into {self.slot_dir}: give the server's "
+                f"--slot-save-path (and remove {name} from it)"
             ) from None
         finally:
             with contextlib.suppress(OSError):
@@ -1205,11 +1226,12 @@ def _listen(text: str) -> tuple[str, int]:
 def run_proxy(args: argparse.Namespace) -> None:
     """`llama-cachegen proxy`: serves until interrupted."""
     host, port = _listen(args.listen)
-    token = load_token(args.token_file)
+    token = load_token(args.token_file, PROXY_TOKEN_ENV)
     if token is None and not is_loopback(host):
         raise InvalidArgumentError(
             f"refusing to listen on {host or 'every interface'} without a token: anyone who reaches it "
-            f"could drive the server and fill the store; give --token-file or {TOKEN_ENV}, or use 127.0.0.1"
+            f"could drive the server and fill the store; give --token-file or {PROXY_TOKEN_ENV}, or use "
+            "127.0.0.1"
         )
     server_key = load_token(args.server_key_file) if args.server_key_file else None
     stores.open_store(args.store).close()  # a URL no store takes fails here, not at every request

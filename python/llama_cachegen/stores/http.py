@@ -67,10 +67,10 @@ _MIN_BODY_RATE = 4 << 10
 _UNUSED_SINCE = "X-Unused-Since"
 
 
-def load_token(token_file: str | Path | None = None) -> str | None:
-    """The server's token: the stripped content of `token_file`, else LLAMA_CACHEGEN_TOKEN."""
+def load_token(token_file: str | Path | None = None, env: str = TOKEN_ENV) -> str | None:
+    """The server's token: the stripped content of `token_file`, else the variable `env`."""
     if token_file is None:
-        token = os.environ.get(TOKEN_ENV, "").strip()
+        token = os.environ.get(env, "").strip()
         return _check_token(token) if token else None
     try:
         token = Path(token_file).read_text(encoding="utf-8").strip()
