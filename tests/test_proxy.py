@@ -1016,3 +1016,24 @@ def test_a_proxy_given_the_wrong_slot_dir_leaves_one_probe_file(
     assert [p.name for p in left] == ["llama-cachegen-probe.bin"]
     for path in left:
         path.unlink()
+
+
+def test_a_restarted_proxy_keeps_what_the_slot_holds(cluster: Cluster, tmp_path: Path) -> None:
+    """A proxy started beside a server whose slot holds a prompt knew nothing of it: the prompt
+    again got the store's copy restored over the slot's own exact K/V (at a lossy level, another
+    answer) and its tail computed again. The start-up save tells what the probed slot holds."""
+    server, slot_dir = cluster.server("restarted-proxy")
+    store = f"file://{tmp_path}/store"
+    first = cluster.proxy_of(server, slot_dir, store)
+    text = _tokenize(server, sample_text("gpl-3.0.txt"), add_special=True)[: 3 * CHUNK + 40]
+    _, headers = _complete(first, text)
+    assert headers[RESTORED_HEADER] == "0"
+    _wait_uploads(first, 1)
+    proc = cluster.procs[-1]
+    proc.terminate()
+    proc.wait(30)
+    second = cluster.proxy_of(server, slot_dir, store)
+    out, headers = _complete(second, text)
+    assert headers[RESTORED_HEADER] == "0" and out["timings"]["prompt_n"] == 1, (headers, out["timings"])
+    time.sleep(0.5)
+    assert _stats(second)["uploads"] == 0  # K/V it did not see computed: not uploaded

@@ -489,6 +489,7 @@ class _Slot:
     # a request passed through may have left K/V in it that the proxy did not see computed: it is
     # not uploaded from until a restore replaced what it held or the server computed a whole prompt
     unseen: bool = False
+    known: bool = True  # `tokens` start what it holds (not after a request passed through)
 
 
 class LossyRestores:
@@ -696,8 +697,13 @@ class Proxy:
         idle = [e.get("id") for e in await self._slot_entries() if e.get("is_processing") is False]
         # one name for every start: a proxy given the wrong --slot-dir, restarted by a supervisor,
         # left a copy of the slot's state in the server's directory at each try
-        probe = await self._save_slot(idle[0] if idle and type(idle[0]) is int else 0, _PROBE_FILE)
-        _, offset = read_slot_file(probe)
+        probed = idle[0] if idle and type(idle[0]) is int and 0 <= idle[0] < n_slots else 0
+        probe = await self._save_slot(probed, _PROBE_FILE)
+        held, offset = read_slot_file(probe)
+        # what that slot holds, from before this proxy (the level of its K/V unknown: not uploaded
+        # from): a prompt it starts is not restored over it (after a proxy restart, its exact K/V
+        # went for the store's lossy copy)
+        self.slots[probed].tokens, self.slots[probed].unseen = held, True
         (n_stream,) = struct.unpack_from("<I", probe, offset)
         loop = asyncio.get_running_loop()
         fingerprint = await loop.run_in_executor(
@@ -919,12 +925,12 @@ class Proxy:
     async def _pass_through(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         """A generating request the proxy does not follow: it may leave K/V in any slot."""
         for slot in self.slots:
-            slot.unseen = True
+            slot.unseen, slot.known = True, False
         try:
             return await self._forward(request, raw)
         finally:  # and whatever slot it took, it took while it ran
             for slot in self.slots:
-                slot.unseen = True
+                slot.unseen, slot.known = True, False
 
     async def _completion(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body, raw = _no_cache_reuse(await request.read())
@@ -984,7 +990,7 @@ class Proxy:
         Returns (tokens restored, chunks of the prompt the store holds); never raises."""
         if sharing is None or not self._store_ok():
             return 0, 0
-        held = 0 if slot.unseen else common_prefix(slot.tokens, tokens)  # unseen: the store's K/V first
+        held = common_prefix(slot.tokens, tokens) if slot.known else 0  # unknown: the store's K/V first
         if held and await self._slot_forgotten(slot.id):
             log.info("slot %d: the server holds nothing there any more (restarted): restoring", slot.id)
             slot.tokens = slot.tokens[:0]
@@ -1104,10 +1110,10 @@ class Proxy:
         the slot until the save is done."""
         data, lossy = None, None
         try:
-            if not answered:
-                slot.unseen = True  # not uploaded from until a restore or a whole prompt replaces it
+            if not answered:  # not uploaded from until a restore or a whole prompt replaces it
+                slot.unseen, slot.known = True, False
                 return
-            slot.tokens = tokens
+            slot.tokens, slot.known = tokens, True
             timings = _timings(tail)
             if sharing is not None and timings.get("prompt_per_second"):
                 sharing.learn_compute(float(timings["prompt_per_second"]))
