@@ -41,6 +41,7 @@ from llama_cachegen.proxy import (
     slot_file_to_seq_buffer,
 )
 from llama_cachegen.server import Processes, free_port, http_status, post_json
+from llama_cachegen.stores import STORE_BACKOFF_S
 
 CHUNK = 128
 N_CTX = 2048
@@ -790,11 +791,15 @@ def test_a_restore_the_server_refuses_sets_the_store_aside(cluster: Cluster, red
     _wait_uploads(proxies[0], 1)
     # the prefix refused; another text in the slot; the prefix again (the slot lacks it, the store
     # has it): set aside, the store is not asked (it was: refused again)
+    start = time.monotonic()
     for text in (prompt + " Who?", sample_text("gfdl-1.3.txt")[:2000], prompt + " Why?"):
         _, headers = _complete(proxies[1], text)
         assert headers[RESTORED_HEADER] == "0"
+    # a slow machine may take the requests past the time set aside: the store is asked again then
+    # (a CI run under load counted 2)
+    windows = 1 + int((time.monotonic() - start) // STORE_BACKOFF_S)
     stats = _stats(proxies[1])
-    assert stats["restore_failures"] == 1 and stats["store_errors"] == 0
+    assert 1 <= stats["restore_failures"] <= windows and stats["store_errors"] == 0, (stats, windows)
     assert "does the server run with the --flash-attn" in log.read_text()
 
 
