@@ -366,13 +366,17 @@ def test_unstored_prefix_passes_through(nodes: tuple[Node, Node]) -> None:
     assert http_status(b.proxy + "/health")[0] == 200
 
 
-def _status_of(url: str, body: dict[str, Any]) -> int:
+def _status_and_text(url: str, body: dict[str, Any]) -> tuple[int, str]:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status
+            return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
-        return exc.code
+        return exc.code, exc.read().decode()
+
+
+def _status_of(url: str, body: dict[str, Any]) -> int:
+    return _status_and_text(url, body)[0]
 
 
 def test_a_prompt_over_the_context_goes_straight_to_the_server(nodes: tuple[Node, Node]) -> None:
@@ -800,6 +804,7 @@ def test_a_restore_the_server_refuses_sets_the_store_aside(cluster: Cluster, red
     windows = 1 + int((time.monotonic() - start) // STORE_BACKOFF_S)
     stats = _stats(proxies[1])
     assert 1 <= stats["restore_failures"] <= windows and stats["store_errors"] == 0, (stats, windows)
+    assert stats["bytes_read"] > 0  # the refused prefix was read (it counted only restores taken)
     assert "does the server run with the --flash-attn" in log.read_text()
 
 
@@ -1002,6 +1007,8 @@ def test_a_server_that_dies_mid_answer_breaks_the_answer_off(cluster: Cluster, t
     with pytest.raises(http.client.IncompleteRead):
         response.read()
     conn.close()
+    status, text = _status_and_text(proxy + "/completion", {"prompt": "Once", "n_predict": 1})
+    assert status == 502 and "unreachable" in text and "ssl:default" not in text, text
 
 
 def test_a_proxy_given_the_wrong_slot_dir_leaves_one_probe_file(

@@ -829,7 +829,10 @@ class Proxy:
             )
             upstream = await upstream_cm.__aenter__()
         except aiohttp.ClientError as exc:  # in llama-server's own error shape
-            return _error_response(502, f"llama-server unreachable: {exc}", "unavailable_error"), tail
+            why = getattr(exc, "os_error", None) or exc  # a refused connection: not aiohttp's "ssl:default"
+            return _error_response(
+                502, f"llama-server {self.server} unreachable: {why}", "unavailable_error"
+            ), tail
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
@@ -1019,6 +1022,7 @@ class Proxy:
             return 0, loaded.chunks
         if not await self._server_unchanged() or self.sharing is not sharing:  # it restarted meanwhile
             return 0, 0
+        self.stats.bytes_read += loaded.bytes_read  # read, whether or not the server takes it
         name = f"llama-cachegen-{self._nonce}-restore-{slot.id}.bin"
         path = self.slot_dir / name
         try:
@@ -1044,7 +1048,6 @@ class Proxy:
             self.lossy.add(slot.tokens, *loaded.lossy)
         self.stats.restores += 1
         self.stats.restored_tokens += loaded.positions
-        self.stats.bytes_read += loaded.bytes_read
         self.stats.load_ms += loaded.ms
         log.info(
             "slot %d: restored %d of %d prompt tokens (%s, %.0f KB in %.0f ms)",
