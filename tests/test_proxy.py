@@ -1023,9 +1023,9 @@ def test_a_proxy_given_the_wrong_slot_dir_leaves_one_probe_file(
         with pytest.raises(CacheGenError, match="exited with 1"):
             cluster.proxy_of(nodes[0].server, tmp_path, str(tmp_path / "store"))
         log = (cluster.root / f"proxy-{name}.log").read_text()
-        assert "not into" in log and "remove llama-cachegen-probe.bin" in log, log
+        assert "not into" in log and "(and remove llama-cachegen-probe-" in log, log
     left = set(nodes[0].slot_dir.iterdir()) - before
-    assert [p.name for p in left] == ["llama-cachegen-probe.bin"]
+    assert len(left) == 1 and next(iter(left)).name.startswith("llama-cachegen-probe-"), left
     for path in left:
         path.unlink()
 
@@ -1037,15 +1037,30 @@ def test_a_restarted_proxy_keeps_what_the_slot_holds(cluster: Cluster, tmp_path:
     server, slot_dir = cluster.server("restarted-proxy")
     store = f"file://{tmp_path}/store"
     first = cluster.proxy_of(server, slot_dir, store)
-    text = _tokenize(server, sample_text("gpl-3.0.txt"), add_special=True)[: 3 * CHUNK + 40]
-    _, headers = _complete(first, text)
+    text = _tokenize(server, sample_text("gpl-3.0.txt"), add_special=True)
+    _, headers = _complete(first, text[: 3 * CHUNK + 40])
     assert headers[RESTORED_HEADER] == "0"
     _wait_uploads(first, 1)
     proc = cluster.procs[-1]
     proc.terminate()
     proc.wait(30)
     second = cluster.proxy_of(server, slot_dir, store)
-    out, headers = _complete(second, text)
+    out, headers = _complete(second, text[: 3 * CHUNK + 40])
     assert headers[RESTORED_HEADER] == "0" and out["timings"]["prompt_n"] == 1, (headers, out["timings"])
-    time.sleep(0.5)
-    assert _stats(second)["uploads"] == 0  # K/V it did not see computed: not uploaded
+    # a longer prompt: the slot's 3 * CHUNK + 40 from before this proxy reused, a fourth chunk
+    # computed on them, and not uploaded (what they are, a lossy restore's or not, is unknown)
+    out, headers = _complete(second, text[: 4 * CHUNK + 10])
+    assert headers[RESTORED_HEADER] == "0" and out["timings"]["prompt_n"] == CHUNK - 30, out["timings"]
+    deadline = time.monotonic() + 30
+    while _stats(second)["uploads_unseen"] < 2 and time.monotonic() < deadline:  # one per request
+        time.sleep(0.1)
+    stats = _stats(second)
+    assert (stats["uploads_unseen"], stats["uploads"]) == (2, 0), stats
+    # a prompt sharing only its first token (a BOS) with what the slot holds: that reuse is exact
+    # whatever put it there (lossy levels store their first positions exactly), so it is uploaded
+    # (a slot of unknown K/V was uploaded from again only after a prompt computed whole: never,
+    # where every prompt starts with the same token)
+    other = [text[0], *_tokenize(server, sample_text("gfdl-1.3.txt"), add_special=False)[: 2 * CHUNK]]
+    out, _ = _complete(second, other)
+    assert out["timings"]["prompt_n"] == len(other) - 1, out["timings"]
+    assert _wait_uploads(second, 1)["uploads_unseen"] == 2

@@ -57,7 +57,7 @@ from . import chunks, codec, stores
 from .errors import CacheGenError, CorruptDataError, InvalidArgumentError, UnsupportedFormatError
 from .llama import FINGERPRINT_FIELDS, StateMeta, _file_identity, _model_files, _model_hash, better_level
 from .llama_format import GGML_TYPE_NAMES, GGML_TYPES, GGSQ_MAGIC, GGSQ_VERSION, IO_MAGIC
-from .stores.http import bearer_ok, is_loopback, load_token
+from .stores.http import TOKEN_ENV, bearer_ok, is_loopback, load_token
 
 log = logging.getLogger("llama_cachegen.proxy")
 
@@ -107,7 +107,10 @@ _TAIL_BYTES = 1 << 16  # the end of a response, where llama-server puts its timi
 # that a proxy can hold both (one variable for both made a loopback proxy on a token store refuse
 # its clients, who were to send the store's token)
 PROXY_TOKEN_ENV = "LLAMA_CACHEGEN_PROXY_TOKEN"
-_PROBE_FILE = "llama-cachegen-probe.bin"  # the start-up slot save (_connect)
+# a server's reuse of at most this many positions reuses exact K/V, whatever put them there: every
+# lossy level stores its first positions (sink tokens) exactly; a shared BOS is reused by every
+# prompt, and a slot holding K/V of unknown origin was otherwise never uploaded from again
+_EXACT_REUSE = 4
 _START_WAIT_S = 120.0  # how long start-up waits for the server to answer /props
 _LOAD_WAIT_S = 10.0  # longest a prefix load may take before the server's speed is measured
 _MIN_LOAD_S = 1.0  # ... and at least this long after
@@ -691,19 +694,23 @@ class Proxy:
             )
         self._fingerprinted = model
         file = self._model_file()
-        self.slots = [_Slot(i) for i in range(n_slots)]
+        # every slot may hold K/V from before this proxy (a lossy restore's among them): none is
+        # uploaded from until a restore or a prompt computed whole replaced it
+        self.slots = [_Slot(i, unseen=True, known=False) for i in range(n_slots)]
         # the KV stream count, and the slot dir checked, from an idle slot: the server saves a busy
         # one when its task ends, and the proxy listens only once this is done
         idle = [e.get("id") for e in await self._slot_entries() if e.get("is_processing") is False]
         # one name for every start: a proxy given the wrong --slot-dir, restarted by a supervisor,
         # left a copy of the slot's state in the server's directory at each try
         probed = idle[0] if idle and type(idle[0]) is int and 0 <= idle[0] < n_slots else 0
-        probe = await self._save_slot(probed, _PROBE_FILE)
+        # one name per server (URL) for every start, not per process
+        probe_file = f"llama-cachegen-probe-{hashlib.sha256(self.server.encode()).hexdigest()[:12]}.bin"
+        probe = await self._save_slot(probed, probe_file)
         held, offset = read_slot_file(probe)
         # what that slot holds, from before this proxy (the level of its K/V unknown: not uploaded
         # from): a prompt it starts is not restored over it (after a proxy restart, its exact K/V
         # went for the store's lossy copy)
-        self.slots[probed].tokens, self.slots[probed].unseen = held, True
+        self.slots[probed].tokens, self.slots[probed].known = held, True
         (n_stream,) = struct.unpack_from("<I", probe, offset)
         loop = asyncio.get_running_loop()
         fingerprint = await loop.run_in_executor(
@@ -1120,7 +1127,8 @@ class Proxy:
             timings = _timings(tail)
             if sharing is not None and timings.get("prompt_per_second"):
                 sharing.learn_compute(float(timings["prompt_per_second"]))
-            if replaced or timings.get("prompt_n") == tokens.size:  # all of it restored or computed
+            # all of it restored or computed, but for exact K/V the server reused
+            if replaced or int(timings.get("prompt_n") or 0) >= tokens.size - _EXACT_REUSE:
                 slot.unseen = False
             if slot.unseen:
                 self.stats.uploads_unseen += 1
@@ -1251,6 +1259,13 @@ def run_proxy(args: argparse.Namespace) -> None:
     )
     if not args.verbose:
         log.setLevel(logging.INFO)  # restores and uploads are the point: always shown
+    if token is None and os.environ.get(TOKEN_ENV):
+        log.warning(
+            "%s is an HTTP store's token; this proxy's clients' is %s (or --token-file): it takes "
+            "requests without one",
+            TOKEN_ENV,
+            PROXY_TOKEN_ENV,
+        )
     proxy = Proxy(
         args.server,
         args.slot_dir,
