@@ -86,3 +86,18 @@ def median_time(fn: Callable[[], object], reps: int) -> float:
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def scored_context(
+    llm: Any, name: str, body: str, n_tokens: int, n_cont: int
+) -> tuple[list[int], list[int], bytes, Any]:
+    """The first n_tokens of `body` (the text `name`), the n_cont after them that quality is scored
+    on, the state of the first ones in `llm` and the continuation's logits after it (the reference
+    a reconstructed state is compared with). BenchError when the text is too short."""
+    from llama_cachegen import quality
+
+    tokens = llm.tokenize(body.encode())
+    prefix, cont = tokens[:n_tokens], tokens[n_tokens : n_tokens + n_cont]
+    require(len(cont) == n_cont, f"{name}: {len(tokens)} tokens, too short")
+    state = quality.state_of(llm, prefix)
+    return prefix, cont, state, quality.continuation_logits(llm, state, prefix, cont)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import llama_cachegen as lcg
 import numpy as np
-from common import CACHE_TYPES, Config
+from common import CACHE_TYPES, BenchError, Config, scored_context
 from kvstate import f16_kv, read_layout
 from llama_cachegen import quality
 from llama_cachegen.model import default_model_path, sample_text
@@ -112,13 +112,11 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for text in texts:
         body = Path(text).read_text() if Path(text).is_file() else sample_text(text)
-        tokens = llm.tokenize(body.encode())
-        prefix, cont = tokens[: args.tokens], tokens[args.tokens : args.tokens + args.cont]
-        if len(cont) < args.cont:
-            print(f"{text}: {len(tokens)} tokens, too short", file=sys.stderr)
+        try:
+            prefix, cont, state, ref = scored_context(llm, text, body, args.tokens, args.cont)
+        except BenchError as exc:
+            print(exc, file=sys.stderr)
             return 1
-        state = quality.state_of(llm, prefix)
-        ref = quality.continuation_logits(llm, state, prefix, cont)
         fa_ref = quality.continuation_logits(fa, None, prefix, cont)
 
         def kl(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import llama_cachegen as lcg
 import numpy as np
-from common import Config
+from common import BenchError, Config, scored_context
 from llama_cachegen import quality
 from llama_cachegen.model import default_model_path, sample_text
 
@@ -37,13 +37,11 @@ def main() -> int:
     llm = quality.make_llama(model, n_ctx=args.tokens + args.cont + 8, n_threads=2)
     rows = []
     for text in texts:
-        tokens = llm.tokenize(sample_text(text).encode(), add_bos=True)
-        prefix, cont = tokens[: args.tokens], tokens[args.tokens : args.tokens + args.cont]
-        if len(cont) < args.cont:
-            print(f"{text}: {len(tokens)} tokens, too short", file=sys.stderr)
+        try:
+            prefix, cont, state, ref = scored_context(llm, text, sample_text(text), args.tokens, args.cont)
+        except BenchError as exc:
+            print(exc, file=sys.stderr)
             return 1
-        state = quality.state_of(llm, prefix)
-        ref = quality.continuation_logits(llm, state, prefix, cont)
         for level in LOSSY:
             for transform, n in [("none", None)] + [("anchor-delta", g) for g in groups]:
                 blob = lcg.encode(state, level, transform=transform, anchor_tokens=n)

@@ -68,12 +68,12 @@ void check_struct_size(const char * name, size_t size, size_t least) {
               "the size of %s is %zu: more than %zu, not a size of this struct", name, size, MAX_STRUCT_SIZE);
 }
 
-// Writes `out` into the caller's info of `size` bytes (checked): its fields this library does not
+// Writes `out` into the caller's struct of `size` bytes (checked): its fields this library does not
 // know are written 0, and this library's fields past its size are not written.
-void put_info(lcg_info * info, size_t size, const lcg_info & out) {
-    std::memcpy(info, &out, std::min(size, sizeof(out)));
+template <typename T> void put_struct(T * dst, size_t size, const T & out) {
+    std::memcpy(dst, &out, std::min(size, sizeof(out)));
     if (size > sizeof(out)) {
-        std::memset(reinterpret_cast<uint8_t *>(info) + sizeof(out), 0, size - sizeof(out));
+        std::memset(reinterpret_cast<uint8_t *>(dst) + sizeof(out), 0, size - sizeof(out));
     }
 }
 
@@ -208,10 +208,7 @@ int lcg_encode_params_init(lcg_encode_params * params, size_t struct_size) {
         check_struct_size("lcg_encode_params", struct_size, PARAMS_SIZE_0_5);
         lcg_encode_params p = default_params();
         p.struct_size = static_cast<uint32_t>(struct_size);
-        std::memcpy(params, &p, std::min(struct_size, sizeof(p)));
-        if (struct_size > sizeof(p)) {  // the caller's fields this library does not know: 0
-            std::memset(reinterpret_cast<uint8_t *>(params) + sizeof(p), 0, struct_size - sizeof(p));
-        }
+        put_struct(params, struct_size, p);
     });
 }
 
@@ -279,7 +276,7 @@ int lcg_inspect(const void * container, size_t container_size, lcg_info * info, 
                 std::memcpy(out.stats_id, c.data + s.offset, sizeof(out.stats_id));
             }
         }
-        put_info(info, info_size, out);
+        put_struct(info, info_size, out);
     });
 }
 
@@ -342,7 +339,7 @@ int lcg_inspect_state(const void * state, size_t state_size, int32_t state_kind,
         } catch (const Error &) {
             out.chunkable = 0;
         }
-        put_info(info, info_size, out);
+        put_struct(info, info_size, out);
     });
 }
 
