@@ -352,9 +352,49 @@ def check_device_targets_are_checked() -> None:
     assert dev.to_host() == host
 
 
+class _HostArray:
+    """Pageable host memory that claims to be device memory (a wrong pointer, as a bug in another
+    library would hand one over)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.__cuda_array_interface__ = {
+            "shape": array.shape,
+            "typestr": "|u1",
+            "data": (array.ctypes.data, False),
+            "version": 3,
+        }
+
+
+def check_host_memory_is_refused() -> None:
+    """A kernel writing through host memory faults on a GPU and leaves the process's CUDA context
+    unusable: the backend refuses a destination that is not device memory, writes nothing, and
+    the next decode works."""
+    state = _state(37, 24, True, "outliers")
+    blob = lcg.encode(state, "balanced")
+    expected = lcg.decode(blob)
+    host = np.zeros(len(expected), np.uint8)
+    with pytest.raises(lcg.InvalidArgumentError, match="not device memory"):
+        lcg.decode_into(blob, _HostArray(host))
+    skeleton = codec.encode_skeleton(state)
+    chunker = codec.Chunker(state, "balanced")
+    stats = chunker.stats()
+    opened = codec.Stats(stats, hashlib.sha256(stats).digest())
+    chunk = chunker.chunk(0, 37, hashlib.sha256(stats).digest())
+    skeleton_state = codec.skeleton_state(skeleton, 37)
+    target = np.frombuffer(bytes(skeleton_state), np.uint8).copy()
+    with pytest.raises(lcg.InvalidArgumentError, match="not device memory"):
+        codec.decode_chunk(chunk, opened, skeleton_state, device_state=_HostArray(target))
+    assert not host.any() and target.tobytes() == bytes(skeleton_state)  # nothing written
+    out = lcg.DeviceBuffer(len(expected))
+    assert lcg.decode_into(blob, out) == len(expected)
+    assert out.to_host() == expected
+
+
 CHECKS = [
     check_decode_matches_cpu,
     check_device_targets_are_checked,
+    check_host_memory_is_refused,
     check_chunks_match_cpu,
     check_golden_containers,
     check_bad_input_never_faults,

@@ -134,6 +134,8 @@ __global__ void copy_runs(Args a, uint32_t n_copies) {
 
 int fail(int status, cudaError_t err, const char * what, char * msg, size_t msg_size) {
     std::snprintf(msg, msg_size, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+    cudaGetLastError();  // the runtime keeps a failed call's error for the next cudaGetLastError: a later
+                         // decode's launch check would report it (a sticky error stays all the same)
     return status;
 }
 
@@ -210,9 +212,36 @@ struct Scratch {
     }
 };
 
+// The destination is the caller's pointer. A kernel writing through pageable host memory or
+// another device's faults, and a fault ends every later CUDA call of the process: refused here.
+int check_destination(const Plan & p, char * msg, size_t msg_size) {
+    if (p.dst_capacity == 0) {
+        return LCG_OK;
+    }
+    cudaPointerAttributes at{};
+    LCG_CUDA_TRY(cudaPointerGetAttributes(&at, p.dst), "cudaPointerGetAttributes");
+    int device = 0;
+    LCG_CUDA_TRY(cudaGetDevice(&device), "cudaGetDevice");
+    if (at.type == cudaMemoryTypeDevice && at.device != device) {
+        std::snprintf(msg, msg_size, "the destination is memory of device %d, the current device is %d", at.device,
+                      device);
+        return LCG_ERR_INVALID_ARGUMENT;
+    }
+    if (at.type == cudaMemoryTypeUnregistered) {
+        std::snprintf(msg, msg_size, "the destination %p is not device memory (pageable host memory?)",
+                      static_cast<void *>(p.dst));
+        return LCG_ERR_INVALID_ARGUMENT;
+    }
+    return LCG_OK;  // this device's, managed, or pinned host memory (mapped: kernels reach it)
+}
+
 int decode(Plan * plan, void * stream_ptr, uint32_t * status, char * msg, size_t msg_size) {
     const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     Plan & p = *plan;
+    const int checked = check_destination(p, msg, msg_size);
+    if (checked != LCG_OK) {
+        return checked;
+    }
     Scratch s{stream};
     for (cudaEvent_t & e : s.event) {
         LCG_CUDA_TRY(cudaEventCreate(&e), "cudaEventCreate");

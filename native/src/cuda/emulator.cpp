@@ -12,9 +12,13 @@
 #include "kernels.h"
 #include "llama_cachegen.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <map>
+#include <mutex>
 #include <vector>
 
 namespace lcg::cuda {
@@ -75,16 +79,35 @@ int current_device(int * device, char *, size_t) {
     return LCG_OK;
 }
 
+// The emulated device's allocations (start -> size): a destination outside them is refused, as
+// decode.cu refuses memory that is not the device's.
+std::mutex allocations_lock;
+std::map<uintptr_t, size_t> allocations;
+
 int alloc(void ** ptr, size_t size, char * msg, size_t msg_size) {
     *ptr = std::malloc(size ? size : 1);
     if (*ptr == nullptr) {
         std::snprintf(msg, msg_size, "emulated device: out of memory");
         return LCG_ERR_OUT_OF_MEMORY;
     }
+    const std::lock_guard<std::mutex> hold(allocations_lock);
+    allocations[reinterpret_cast<uintptr_t>(*ptr)] = size;
     return LCG_OK;
 }
 
-void release(void * ptr) { std::free(ptr); }
+void release(void * ptr) {
+    const std::lock_guard<std::mutex> hold(allocations_lock);
+    allocations.erase(reinterpret_cast<uintptr_t>(ptr));
+    std::free(ptr);
+}
+
+// Whether ptr points into an allocation (its start only, as cudaPointerGetAttributes tells).
+bool is_device_memory(const uint8_t * ptr) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(ptr);
+    const std::lock_guard<std::mutex> hold(allocations_lock);
+    auto it = allocations.upper_bound(at);
+    return it != allocations.begin() && at - std::prev(it)->first < std::max<size_t>(std::prev(it)->second, 1);
+}
 
 int copy(void * dst, const void * src, size_t size, void *, char *, size_t) {
     if (size > 0) {  // (statistics without tables copy nothing, from a null pointer)
@@ -93,8 +116,13 @@ int copy(void * dst, const void * src, size_t size, void *, char *, size_t) {
     return LCG_OK;
 }
 
-int decode(Plan * plan, void *, uint32_t * status, char *, size_t) {
+int decode(Plan * plan, void *, uint32_t * status, char * msg, size_t msg_size) {
     Plan & p = *plan;
+    if (p.dst_capacity > 0 && !is_device_memory(p.dst)) {
+        std::snprintf(msg, msg_size, "the destination %p is not device memory (emulated device)",
+                      static_cast<void *>(p.dst));
+        return LCG_ERR_INVALID_ARGUMENT;
+    }
     // "Uploads" as decode.cu's: the kernels see copies of the container_size and arena_size bytes
     // the plan names, so that a plan addressing past them (or from another base) fails here too
     const std::vector<uint8_t> container(p.container, p.container + p.container_size);
