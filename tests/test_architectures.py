@@ -1,18 +1,22 @@
 """KV layouts SmolLM2 and Gemma 3 do not have, on real llama.cpp with tiny GGUFs (tiny_models.py):
 multi-head latent attention (DeepSeek-V2: K rows only, no V), M-RoPE (Qwen2-VL: every cell
 carries llama.cpp's 12-byte extension; Qwen's K bias), heads wider than n_embd / n_head (Qwen3),
-no RoPE (GPT-2), sliding windows with attention sinks and experts (gpt-oss), and layers that
-reuse other layers' KV (Gemma 3n). Every way a context travels gives back, at the lossless level,
+no RoPE (GPT-2), sliding windows with attention sinks and experts (gpt-oss), layers that reuse
+other layers' KV (Gemma 3n), another number of KV heads in every layer (OpenELM, also in a q8_0
+cache), a global layer without RoPE beside windowed (Cohere2) or chunked (Llama 4) ones, heads of
+two sizes and K used as V (Gemma 4). Every way a context travels gives back, at the lossless level,
 exactly what llama.cpp gives: a computation from the tokens, or where a window slides (gpt-oss,
 Gemma 3n), llama.cpp's own save and restore (which differs from a computation there by the order
 of its sums: the same state bytes, other cells)."""
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import llama_cachegen as lcg
 import llama_cpp
@@ -36,10 +40,14 @@ from tiny_models import (
     continuation,
     make,
     reference_logits,
+    write_cohere2,
     write_deepseek2_mla,
     write_gemma3n,
+    write_gemma4,
     write_gpt2,
     write_gpt_oss,
+    write_llama4,
+    write_openelm,
     write_qwen2vl,
     write_qwen3,
 )
@@ -52,8 +60,10 @@ class Arch:
     caches: int
     rope: bool  # model_rope finds a per-head RoPE the encoder may undo
     slides: bool = False  # a sliding window: compare with llama.cpp's own save and restore
+    settings: dict[str, Any] = field(default_factory=dict)  # the context's, beyond make's
 
 
+Q8_0_CACHE = {"flash_attn": True, "type_k": 8, "type_v": 8}  # GGML_TYPE_Q8_0
 ARCHITECTURES = {
     "deepseek2-mla": Arch(write_deepseek2_mla, 2, 1, False),  # the rotated channels end each row
     "qwen2vl-mrope": Arch(write_qwen2vl, 4, 1, False),
@@ -61,7 +71,18 @@ ARCHITECTURES = {
     "gpt2": Arch(write_gpt2, 4, 1, False),
     "gpt-oss": Arch(write_gpt_oss, 8, 2, True, slides=True),
     "gemma3n": Arch(write_gemma3n, 40, 2, True, slides=True),  # 20 of 25 layers hold their own KV
+    "openelm": Arch(write_openelm, 8, 1, True),  # rows of 16, 32, 16 and 48 values; V transposed
+    # heads of 32 in a q8_0 cache: rows of 1, 2, 1 and 3 blocks (flash attention: V in rows)
+    "openelm-q8": Arch(functools.partial(write_openelm, head=32), 8, 1, True, settings=Q8_0_CACHE),
+    "cohere2": Arch(write_cohere2, 8, 2, True, slides=True),  # the global layer has no RoPE
+    "llama4": Arch(write_llama4, 8, 2, True),  # chunked attention (8,192) and a global layer without RoPE
+    "gemma4": Arch(write_gemma4, 12, 2, True, slides=True),  # heads of 16 (window) and 32 (global)
 }
+
+
+def _make(path: Path, **settings: Any) -> lcg.Llama:
+    """A context for the model at `path` (written as `<architecture>.gguf`) with its settings."""
+    return make(path, **ARCHITECTURES[path.stem].settings | settings)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
@@ -72,7 +93,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.fixture(scope="module")
 def source(model: tuple[str, Path]) -> lcg.Llama:
-    llm = make(model[1])
+    llm = _make(model[1])
     llm.eval(TOKENS)
     return llm
 
@@ -80,10 +101,10 @@ def source(model: tuple[str, Path]) -> lcg.Llama:
 @pytest.fixture(scope="module")
 def reference(model: tuple[str, Path], source: lcg.Llama) -> dict[str, np.ndarray]:
     if not ARCHITECTURES[model[0]].slides:
-        return reference_logits(model[1])
+        return reference_logits(model[1], **ARCHITECTURES[model[0]].settings)
     state, out = capture_state(source, None), {}
     for name, tokens in (("all", TOKENS), ("other", TOKENS[:200] + OTHER)):
-        llm = make(model[1])
+        llm = _make(model[1])
         assert restore_state(llm, state, None)
         llm.n_tokens = 200 // C * C if name == "other" else N
         llm.eval(tokens[llm.n_tokens :])
@@ -108,19 +129,19 @@ def test_whole_chunked_prefix_and_streamed_loads_are_exact(
 ) -> None:
     path = model[1]
     save_compressed_state(source, tmp_path / "ctx.lcg", level="lossless")
-    llm = make(path)
+    llm = _make(path)
     load_compressed_state(llm, tmp_path / "ctx.lcg")
     np.testing.assert_array_equal(continuation(llm, N), reference["all"])
 
     url = f"file://{tmp_path}/store/ctx"
     chunks.save_chunked(source, url, levels=("lossless", "balanced"), chunk_tokens=C)
-    llm = make(path)
+    llm = _make(path)
     chunks.load_chunked(llm, url, level="lossless")
     np.testing.assert_array_equal(continuation(llm, N), reference["all"])
-    llm = make(path)
+    llm = _make(path)
     stream.load_streaming(llm, url, slo_s=5.0, level="lossless")  # the streaming pipeline, one level
     np.testing.assert_array_equal(continuation(llm, N), reference["all"])
-    llm = make(path)
+    llm = _make(path)
     report = stream.load_streaming(llm, url, slo_s=5.0)  # adaptive: the first fetch at balanced
     # it is fetched again lossless or computed again in time, as a rule: where the report says
     # every chunk ended exact, the context is (a gpt-oss run once ended inexact, not reproduced;
@@ -137,14 +158,14 @@ def test_whole_chunked_prefix_and_streamed_loads_are_exact(
     else:
         assert report.expected_kl > 0 and any(lv == "balanced" for lv, _, _ in levels), levels
 
-    llm = make(path)
+    llm = _make(path)
     query = TOKENS[:200] + OTHER
     report = chunks.load_prefix(llm, f"file://{tmp_path}/store", query, chunk_tokens=C, level="lossless")
     assert report.tokens == 200 // C * C
     llm.eval(query[report.tokens :])
     np.testing.assert_array_equal(continuation(llm, len(query)), reference["other"])
 
-    llm = make(path)  # lossy: it loads and runs (random weights say nothing of quality)
+    llm = _make(path)  # lossy: it loads and runs (random weights say nothing of quality)
     chunks.load_chunked(llm, url, level="balanced")
     assert np.isfinite(continuation(llm, N)).all()
 
@@ -156,7 +177,7 @@ def test_the_prompt_cache_answers_as_llama_cpp_does(tmp_path: Path, model: tuple
     gc.collect()
     texts, hits = [], []
     for cached in (False, True, True):  # no cache; a miss that stores; a hit on 192 of 200 tokens
-        llm = make(path)
+        llm = _make(path)
         cache = CompressedStateCache(f"file://{tmp_path}", level="lossless", chunk_tokens=C)
         if cached:
             llm.set_cache(cache)
@@ -178,6 +199,19 @@ def test_a_level_follows_its_error_scale_and_weights_on_every_width(source: lcg.
     assert weighted == lcg.decode(lcg.encode(state, "compact", error_scale=scale * 4.0))
 
 
+def test_every_level_gives_a_raw_state_that_loads(model: tuple[str, Path], source: lcg.Llama) -> None:
+    """encode/decode of llama.cpp's state at every level: the same layout back (lossless: the same
+    bytes), and llama.cpp loads it and continues."""
+    state = capture_state(source, None)
+    layout = codec.inspect_state(state)
+    for level in codec.LEVEL_ORDER:
+        back = lcg.decode(lcg.encode(state, level))
+        assert codec.inspect_state(back) == layout and (level != "lossless" or back == state), level
+        llm = _make(model[1])
+        assert restore_state(llm, back, None)
+        assert np.isfinite(continuation(llm, N)).all(), level
+
+
 @pytest.mark.parametrize("name", [name for name, arch in ARCHITECTURES.items() if arch.slides])
 def test_a_chunk_computed_past_the_window_is_spliced(tmp_path: Path, name: str) -> None:
     """Once a restored state reaches the window, llama.cpp gives the next positions the cells of
@@ -187,15 +221,15 @@ def test_a_chunk_computed_past_the_window_is_spliced(tmp_path: Path, name: str) 
     failed likewise and left a `compact` chunk). Chunk 3 (positions 192..255, past the 128-token
     window) is gone from the store: it and the chunks after it are computed."""
     path = ARCHITECTURES[name].write(tmp_path / f"{name}.gguf")
-    source = make(path)
+    source = _make(path)
     source.eval(TOKENS)
-    restored = make(path)
+    restored = _make(path)
     assert restore_state(restored, capture_state(source, None), None)
     url = f"file://{tmp_path}/store/ctx"
     chunks.save_chunked(source, url, levels=("lossless",), chunk_tokens=C)
     gone = chunks.read_manifest(url).chunks[3].key
     stores.open_store(f"{tmp_path}/store").delete(f"{chunks.PREFIX}chunks/{gone}/lossless")
-    llm = make(path)
+    llm = _make(path)
     report = stream.load_streaming(llm, url)
     assert [r.level for r in report.records][:4] == ["lossless"] * 3 + [stream.TEXT] and llm.n_tokens == N
     # llama.cpp's own computation there sums over other cells than the source's did: the same

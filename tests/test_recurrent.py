@@ -1,5 +1,6 @@
 """Models with a recurrent state, on real llama.cpp: hybrids (LFM2: short-convolution layers and
-attention layers; Jamba: Mamba layers and attention layers) and a purely recurrent one (Mamba),
+attention layers; Jamba and Granite 4 H: Mamba(-2) layers and attention layers; Falcon-H1: both in
+every layer) and purely recurrent ones (Mamba, RWKV-7),
 tiny GGUFs with random weights (tiny_models.py). A recurrent state is of the last position only:
 the attention KV compresses and chunks as any other, the recurrent part travels verbatim with
 the whole context, and nothing ever pairs a prefix's KV with the state of a longer context."""
@@ -37,22 +38,33 @@ from tiny_models import (
     continuation,
     make,
     reference_logits,
+    write_falcon_h1,
+    write_granitehybrid,
     write_jamba,
     write_lfm2,
     write_mamba,
+    write_rwkv7,
 )
 
+# a hybrid's writer and how many of its layers attend
+HYBRIDS = {
+    "lfm2": (write_lfm2, 2),  # short convolutions, two layers of four attend
+    "jamba": (write_jamba, 2),  # Mamba layers, two of four attend
+    "granitehybrid": (write_granitehybrid, 2),  # Mamba-2 layers, two of five attend (2 and 1 KV heads)
+    "falcon-h1": (write_falcon_h1, 3),  # attention and Mamba-2 side by side in every layer
+}
 
-@pytest.fixture(scope="module", params=["lfm2", "jamba"])
+
+@pytest.fixture(scope="module", params=sorted(HYBRIDS))
 def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """LFM2 (short convolutions) or Jamba (Mamba layers), two attention layers of four."""
-    write = write_lfm2 if request.param == "lfm2" else write_jamba
+    return HYBRIDS[request.param][0](tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf")
+
+
+@pytest.fixture(scope="module", params=["mamba", "rwkv7"])
+def recurrent(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model of a recurrent state only: Mamba, or RWKV-7 (a token-shift and a WKV state)."""
+    write = write_mamba if request.param == "mamba" else write_rwkv7
     return write(tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf")
-
-
-@pytest.fixture(scope="module")
-def mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_mamba(tmp_path_factory.mktemp("tiny") / "mamba.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +79,12 @@ def source(hybrid: Path) -> lcg.Llama:
     return llm
 
 
-def test_a_hybrid_state_is_its_attention_kv_plus_a_verbatim_tail(source: lcg.Llama) -> None:
+def test_a_hybrid_state_is_its_attention_kv_plus_a_verbatim_tail(hybrid: Path, source: lcg.Llama) -> None:
     info = codec.inspect_state(capture_state(source, None))
-    # two of the four layers attend: one KV cache of those two layers, every position; the
-    # short-convolution state follows it and is carried as it is
-    assert (info["caches"], info["layers"], info["positions"], info["tail"]) == (1, 2, (0, N), True)
+    # one KV cache of the layers that attend, every position; the recurrent state follows it and
+    # is carried as it is
+    layers = HYBRIDS[hybrid.stem][1]
+    assert (info["caches"], info["layers"], info["positions"], info["tail"]) == (1, layers, (0, N), True)
 
 
 @pytest.mark.parametrize("level", ["lossless", "balanced"])
@@ -247,10 +260,10 @@ def test_a_hybrid_state_names_every_position_or_none(tmp_path: Path, hybrid: Pat
     assert fresh.n_tokens == 10 and np.allclose(continuation(fresh, 10), continuation(other, 10), atol=1e-5)
 
 
-def test_a_recurrent_model_is_refused_with_a_clear_error(tmp_path: Path, mamba: Path) -> None:
-    llm = make(mamba)
+def test_a_recurrent_model_is_refused_with_a_clear_error(tmp_path: Path, recurrent: Path) -> None:
+    llm = make(recurrent)
     llm.eval(TOKENS[:50])
-    with pytest.raises(UnsupportedFormatError, match="mamba is a recurrent model"):
+    with pytest.raises(UnsupportedFormatError, match=f"{recurrent.stem} is a recurrent model"):
         save_compressed_state(llm, tmp_path / "ctx.lcg")
     with pytest.raises(UnsupportedFormatError, match="recurrent model"):
         chunks.save_chunked(llm, f"file://{tmp_path}/ctx")
@@ -260,7 +273,7 @@ def test_a_recurrent_model_is_refused_with_a_clear_error(tmp_path: Path, mamba: 
         codec.inspect_state(capture_state(llm, None))  # the raw state, as a file given to the CLI
     assert not list(tmp_path.iterdir())
     # the prompt cache stays out of the way: the completion is not lost
-    fresh = make(mamba)
+    fresh = make(recurrent)
     fresh.set_cache(CompressedStateCache(f"file://{tmp_path}/cache", chunk_tokens=C))
     out = fresh.create_completion(TOKENS[:100], max_tokens=2, temperature=0.0, logit_bias=LETTERS_ONLY)
     assert out["usage"]["completion_tokens"] == 2
@@ -277,15 +290,15 @@ def test_llama_server_sharing_refuses_a_hybrid_slot_and_says_why(tmp_path: Path,
     assert not (tmp_path / "store").exists()
 
 
-def test_cli_eval_names_what_it_could_not_measure(hybrid: Path, mamba: Path) -> None:
+def test_cli_eval_names_what_it_could_not_measure(hybrid: Path, recurrent: Path) -> None:
     args = ("--tokens", "100", "--cont", "16", "--threads", "1")
     out = subprocess.run(
-        [sys.executable, "-m", "llama_cachegen", "eval", "--model", str(mamba), *args],
+        [sys.executable, "-m", "llama_cachegen", "eval", "--model", str(recurrent), *args],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert out.returncode != 0 and "mamba is a recurrent model" in out.stderr
+    assert out.returncode != 0 and f"{recurrent.stem} is a recurrent model" in out.stderr
     assert "Traceback" not in out.stderr
     out = subprocess.run(
         [sys.executable, "-m", "llama_cachegen", "eval", "--model", str(hybrid), *args, "--json"],

@@ -13,12 +13,19 @@ on them, never quality. Below the writers: the tokens, contexts and logits the t
 - `write_gpt2`: learned position embeddings, no RoPE, fused QKV.
 - `write_gpt_oss`: sliding-window layers, attention sinks, a mixture of experts.
 - `write_gemma3n`: sliding-window layers, and layers that reuse earlier layers' KV.
+- `write_openelm`: another number of KV heads in every layer (rows of several widths in one cache).
+- `write_cohere2`: sliding-window layers with RoPE, a global layer without.
+- `write_llama4`: chunked attention, a global layer without RoPE, experts.
+- `write_gemma4`: heads of 16 in the window's layers and 32 in the global ones, K used as V.
+- `write_granitehybrid`, `write_falcon_h1`: Mamba-2 beside attention (Falcon-H1: in every layer).
+- `write_rwkv7`: RWKV-7, recurrent: a token-shift and a WKV state, no KV cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import gguf
 import llama_cachegen as lcg
@@ -377,6 +384,294 @@ def write_gemma3n(path: Path, *, n_embd: int = 64, n_head: int = 4, n_kv: int = 
     return path
 
 
+def write_openelm(
+    path: Path,
+    *,
+    n_embd: int = 64,
+    heads: Sequence[int] = (2, 4, 4, 6),
+    kv_heads: Sequence[int] = (1, 2, 1, 3),
+    ffs: Sequence[int] = (64, 96, 128, 160),
+    head: int = 16,
+) -> Path:
+    """OpenELM: every layer its own number of query and KV heads (and FFN width), so the K/V rows
+    of one model differ in width from layer to layer (16, 32, 16, 48 values here); a fused QKV,
+    q/k norms."""
+    w, t = _begin(path, "openelm", n_embd, len(heads))
+    w.add_feed_forward_length(list(ffs))
+    w.add_head_count(list(heads))
+    w.add_head_count_kv(list(kv_heads))
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_rope_dimension_count(head)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    for i, (nh, nkv, ff) in enumerate(zip(heads, kv_heads, ffs, strict=True)):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        t.random(f"blk.{i}.attn_qkv.weight", n_embd, (nh + 2 * nkv) * head)
+        t.ones(f"blk.{i}.attn_q_norm.weight", head)
+        t.ones(f"blk.{i}.attn_k_norm.weight", head)
+        t.random(f"blk.{i}.attn_output.weight", nh * head, n_embd)
+        _ffn(t, i, n_embd, ff)
+    _finish(w)
+    return path
+
+
+def _rwkv_begin(
+    path: Path, arch: str, n_embd: int, n_layer: int, n_ff: int, head: int
+) -> tuple[gguf.GGUFWriter, _Weights]:
+    w, t = _begin(path, arch, n_embd, n_layer)
+    t.random("output_norm.bias", n_embd)
+    t.ones("token_embd_norm.weight", n_embd)
+    t.random("token_embd_norm.bias", n_embd)
+    t.random("output.weight", n_embd, N_VOCAB)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(0)
+    w.add_layer_norm_eps(1e-5)
+    w.add_uint32(f"{arch}.wkv.head_size", head)
+    return w, t
+
+
+def write_rwkv7(path: Path, *, n_embd: int = 64, n_layer: int = 2, n_ff: int = 128, head: int = 16) -> Path:
+    """RWKV-7: purely recurrent, no KV cache; per layer a token-shift state (2 * n_embd: the
+    attention's and the FFN's last normed input) and a WKV state (n_embd / head heads of
+    head x head), llama.cpp's r_l and s_l."""
+    lora = 8
+    w, t = _rwkv_begin(path, "rwkv7", n_embd, n_layer, n_ff, head)
+    for key in ("decay", "iclr", "value_residual_mix", "gate"):
+        w.add_uint32(f"rwkv7.attention.{key}_lora_rank", lora)
+    w.add_uint32("rwkv7.token_shift_count", 2)
+    for i in range(n_layer):
+        for norm in ("attn_norm", "attn_norm_2", "time_mix_ln"):
+            t.ones(f"blk.{i}.{norm}.weight", n_embd)
+            t.random(f"blk.{i}.{norm}.bias", n_embd)
+        for x in ("w", "a", "v", "g"):
+            if x != "g":
+                t.random(f"blk.{i}.time_mix_{x}0.weight", n_embd)
+            t.random(f"blk.{i}.time_mix_{x}1.weight", n_embd, lora)
+            t.random(f"blk.{i}.time_mix_{x}2.weight", lora, n_embd)
+        t.w.add_tensor(f"blk.{i}.time_mix_lerp_fused.weight", np.full((6, 1, 1, n_embd), 0.5, np.float32))
+        for name in ("k_k", "k_a", "r_k"):
+            t.random(f"blk.{i}.time_mix_{name}.weight", n_embd, scale=0.5)
+        for name in ("key", "value", "receptance", "output"):
+            t.random(f"blk.{i}.time_mix_{name}.weight", n_embd, n_embd)
+        t.w.add_tensor(f"blk.{i}.channel_mix_lerp_k.weight", np.full((1, 1, n_embd), 0.5, np.float32))
+        t.random(f"blk.{i}.channel_mix_key.weight", n_embd, n_ff)
+        t.random(f"blk.{i}.channel_mix_value.weight", n_ff, n_embd)
+    _finish(w)
+    return path
+
+
+def _mamba2(
+    t: _Weights,
+    i: int,
+    n_embd: int,
+    d_state: int,
+    d_conv: int,
+    n_head: int,
+    n_group: int,
+    *,
+    d_inner: int | None = None,
+    norm: bool = True,
+) -> None:
+    """A Mamba-2 mixer: one in-projection to z, x, B, C and dt; a conv over x, B, C; a scalar A and
+    D per head; a grouped RMS norm."""
+    d_inner = d_inner or 2 * n_embd
+    conv = d_inner + 2 * n_group * d_state
+    t.random(f"blk.{i}.ssm_in.weight", n_embd, 2 * d_inner + 2 * n_group * d_state + n_head)
+    t.random(f"blk.{i}.ssm_conv1d.weight", d_conv, conv)
+    t.random(f"blk.{i}.ssm_conv1d.bias", conv)
+    t.random(f"blk.{i}.ssm_dt.bias", n_head)
+    t.w.add_tensor(f"blk.{i}.ssm_a", -np.arange(1, n_head + 1, dtype=np.float32).reshape(n_head, 1))
+    t.w.add_tensor(f"blk.{i}.ssm_d", np.ones((n_head, 1), np.float32))
+    if norm:
+        t.w.add_tensor(f"blk.{i}.ssm_norm.weight", np.ones((n_group, d_inner // n_group), np.float32))
+    t.random(f"blk.{i}.ssm_out.weight", d_inner, n_embd)
+
+
+def _ssm2_sizes(
+    w: gguf.GGUFWriter, d_inner: int, d_state: int, d_conv: int, n_head: int, n_group: int
+) -> None:
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(n_head)  # Mamba-2: the number of SSM heads
+    w.add_ssm_group_count(n_group)
+
+
+def write_granitehybrid(
+    path: Path,
+    *,
+    n_embd: int = 64,
+    n_head: int = 4,
+    kv_heads: Sequence[int] = (0, 2, 0, 0, 1),
+    n_ff: int = 128,
+) -> Path:
+    """Granite 4.0 hybrid: Mamba-2 layers (n_head_kv 0) and attention layers with RoPE, their KV
+    heads per layer; Granite's scales (embedding, residual, attention, logits)."""
+    d_state, d_conv, ssm_heads, n_group = 16, 4, 8, 1
+    w, t = _begin(path, "granitehybrid", n_embd, len(kv_heads))
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(list(kv_heads))
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_float32("granitehybrid.embedding_scale", 2.0)
+    w.add_float32("granitehybrid.residual_scale", 0.5)
+    w.add_float32("granitehybrid.attention.scale", 0.25)
+    w.add_float32("granitehybrid.logit_scale", 2.0)
+    _ssm2_sizes(w, 2 * n_embd, d_state, d_conv, ssm_heads, n_group)
+    t.random("output.weight", n_embd, N_VOCAB)
+    for i, kv in enumerate(kv_heads):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        if kv:
+            _attn(t, i, n_embd, n_head, kv, n_embd // n_head)
+        else:
+            _mamba2(t, i, n_embd, d_state, d_conv, ssm_heads, n_group)
+        _ffn(t, i, n_embd, n_ff)
+    _finish(w)
+    return path
+
+
+def write_falcon_h1(
+    path: Path, *, n_embd: int = 64, n_head: int = 4, n_kv: int = 2, n_layer: int = 3, n_ff: int = 128
+) -> Path:
+    """Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side, so every layer has
+    both K/V rows and a recurrent state (the KV cache and the recurrent tail span the same layers);
+    K/V heads of 16 with n_embd / n_head = 16."""
+    d_state, d_conv, ssm_heads, n_group = 16, 4, 8, 1
+    head = n_embd // n_head
+    w, t = _begin(path, "falcon-h1", n_embd, n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    _ssm2_sizes(w, 2 * n_embd, d_state, d_conv, ssm_heads, n_group)
+    t.random("output.weight", n_embd, N_VOCAB)
+    for i in range(n_layer):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        _attn(t, i, n_embd, n_head, n_kv, head)
+        _mamba2(t, i, n_embd, d_state, d_conv, ssm_heads, n_group)
+        t.ones(f"blk.{i}.ffn_norm", n_embd)  # llama.cpp asks for no ".weight" here
+        t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
+        t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
+        t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
+    _finish(w)
+    return path
+
+
+def write_cohere2(
+    path: Path, *, n_embd: int = 64, n_head: int = 4, n_kv: int = 2, n_layer: int = 4, n_ff: int = 128
+) -> Path:
+    """Command R7B (cohere2): three layers in four slide a 128-token window and use RoPE; every
+    fourth attends globally WITHOUT RoPE (its cached keys are unrotated, in the second cache);
+    parallel attention and FFN, layer norm."""
+    w, t = _begin(path, "cohere2", n_embd, n_layer)
+    head = n_embd // n_head
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_eps(1e-5)
+    w.add_sliding_window(128)
+    w.add_uint32("cohere2.attention.sliding_window_pattern", 4)
+    w.add_logit_scale(0.5)
+    for i in range(n_layer):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        _attn(t, i, n_embd, n_head, n_kv, head)
+        t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
+        t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
+        t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
+    _finish(w)
+    return path
+
+
+def write_llama4(
+    path: Path, *, n_embd: int = 64, n_head: int = 4, n_kv: int = 2, n_layer: int = 4, n_ff: int = 128
+) -> Path:
+    """Llama 4: chunked attention (llama.cpp fixes the chunk at 8192 tokens) on three layers in
+    four, the fourth global and without RoPE; every other layer a mixture of two experts and a
+    shared expert; L2-normed q/k on the RoPE layers."""
+    w, t = _begin(path, "llama4", n_embd, n_layer)
+    head, n_expert = n_embd // n_head, 2
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_dimension_count(head)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(1)
+    w.add_expert_feed_forward_length(n_ff)
+    w.add_uint32("llama4.interleave_moe_layer_step", 2)
+    for i in range(n_layer):
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        _attn(t, i, n_embd, n_head, n_kv, head)
+        t.ones(f"blk.{i}.ffn_norm.weight", n_embd)
+        if (i + 1) % 2 == 0:
+            t.random(f"blk.{i}.ffn_gate_inp.weight", n_embd, n_expert)
+            for name in ("gate", "up"):
+                t.random(f"blk.{i}.ffn_{name}_exps.weight", n_embd, n_ff, n_expert)
+                t.random(f"blk.{i}.ffn_{name}_shexp.weight", n_embd, n_ff)
+            t.random(f"blk.{i}.ffn_down_exps.weight", n_ff, n_embd, n_expert)
+            t.random(f"blk.{i}.ffn_down_shexp.weight", n_ff, n_embd)
+        else:
+            t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
+            t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
+            t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
+    _finish(w)
+    return path
+
+
+def write_gemma4(
+    path: Path,
+    *,
+    n_embd: int = 64,
+    n_head: int = 4,
+    swa: Sequence[bool] = (True, True, False, True, True, False),
+    kv_heads: Sequence[int] = (2, 2, 1, 2, 2, 1),
+    n_ff: int = 128,
+) -> Path:
+    """Gemma 4: the sliding-window layers' heads are 16 wide, the global layers' 32 (their caches'
+    rows: 2 KV heads x 16, 1 KV head x 32; RoPE over 16 and 32 channels); the global layers use K as
+    V (no V projection) and proportional RoPE (rope_freqs: the upper half of the pairs unrotated)."""
+    head, head_swa = 32, 16
+    w, t = _begin(path, "gemma4", n_embd, len(swa))
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(list(kv_heads))
+    w.add_key_length(head)
+    w.add_value_length(head)
+    w.add_key_length_swa(head_swa)
+    w.add_value_length_swa(head_swa)
+    w.add_rope_dimension_count(head)
+    w.add_uint32("gemma4.rope.dimension_count_swa", head_swa)
+    w.add_rope_freq_base(1000000.0)
+    w.add_float32("gemma4.rope.freq_base_swa", 10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(128)
+    w.add_sliding_window_pattern(list(swa))
+    w.add_uint32("gemma4.embedding_length_per_layer_input", 0)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * (head // 4) + [1e30] * (head // 4), np.float32))
+    for i, (is_swa, kv) in enumerate(zip(swa, kv_heads, strict=True)):
+        hd = head_swa if is_swa else head
+        t.ones(f"blk.{i}.attn_norm.weight", n_embd)
+        t.random(f"blk.{i}.attn_q.weight", n_embd, n_head * hd)
+        t.random(f"blk.{i}.attn_k.weight", n_embd, kv * hd)
+        if is_swa:
+            t.random(f"blk.{i}.attn_v.weight", n_embd, kv * hd)
+        t.random(f"blk.{i}.attn_output.weight", n_head * hd, n_embd)
+        t.ones(f"blk.{i}.attn_q_norm.weight", hd)
+        t.ones(f"blk.{i}.attn_k_norm.weight", hd)
+        t.ones(f"blk.{i}.post_attention_norm.weight", n_embd)
+        _ffn(t, i, n_embd, n_ff)
+        t.ones(f"blk.{i}.post_ffw_norm.weight", n_embd)
+    _finish(w)
+    return path
+
+
 # ---- what the tests share -------------------------------------------------------------------
 
 N = 300  # context tokens
@@ -390,8 +685,8 @@ CONT = [int(t) for t in _rng.integers(3, N_VOCAB, 8)]
 LETTERS_ONLY = {t: -1e9 for t in range(N_VOCAB - 26)}
 
 
-def make(model: Path) -> lcg.Llama:
-    return lcg.Llama(str(model), n_ctx=1024, logits_all=True, verbose=False)
+def make(model: Path, **settings: Any) -> lcg.Llama:
+    return lcg.Llama(str(model), **{"n_ctx": 1024, "logits_all": True, "verbose": False} | settings)
 
 
 def continuation(llm: lcg.Llama, n: int) -> np.ndarray:
@@ -401,11 +696,12 @@ def continuation(llm: lcg.Llama, n: int) -> np.ndarray:
     return np.array(llm.scores[n : n + len(CONT)])
 
 
-def reference_logits(model: Path) -> dict[str, np.ndarray]:
-    """CONT's logits after TOKENS ("all") and after TOKENS[:200] + OTHER ("other"), computed."""
+def reference_logits(model: Path, **settings: Any) -> dict[str, np.ndarray]:
+    """CONT's logits after TOKENS ("all") and after TOKENS[:200] + OTHER ("other"), computed in a
+    context of `settings`."""
     out = {}
     for name, tokens in (("all", TOKENS), ("other", TOKENS[:200] + OTHER)):
-        llm = make(model)
+        llm = make(model, **settings)
         llm.eval(tokens)
         out[name] = continuation(llm, len(tokens))
     return out
