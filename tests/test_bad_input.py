@@ -568,3 +568,48 @@ def test_a_state_buffer_cut_short_says_so() -> None:
     short = codec.skeleton_state(codec.encode_skeleton(state), 40)[:-1]
     with pytest.raises(lcg.UnsupportedFormatError, match=r"only \d+ left\): a buffer cut short"):
         codec.decode_chunk(chunker.chunk(0, 40, sid), codec.Stats(stats, sid), bytearray(short))
+
+
+def test_cells_at_other_positions_are_refused_before_any_row_is_placed() -> None:
+    """A chunk is placed by its cells' positions, which must be 0..n-1 once each. A state whose
+    cells say otherwise (llama.cpp's own after removing a sequence's first tokens, or a forged
+    skeleton from a store) made the position map write past its end: a heap overflow that
+    crashed the loaders and llama-server's proxy. Refused, as is a skeleton taken for a whole
+    container (its state of zero K/V came back without a word) and a read-only buffer to write."""
+    rng = np.random.default_rng(5)
+    state = seq_buffer(kv_cache_bytes(rng, n_layer=2, n_embd=32, cells_per_stream=(20,)))
+    chunker = codec.Chunker(state, "balanced")
+    stats = chunker.stats()
+    sid = hashlib.sha256(stats).digest()
+    opened, chunk = codec.Stats(stats, sid), chunker.chunk(0, 8, sid)
+    cell5 = struct.pack("<iIi", 5, 1, 0) + struct.pack("<iIi", 6, 1, 0)  # cell 5 and 6's records
+
+    def moved(data: bytes, pos: int) -> bytearray:
+        out = bytearray(data)
+        struct.pack_into("<i", out, data.index(cell5), pos)
+        return out
+
+    shifted = bytearray(state)  # positions 10..29: after llama_memory_seq_rm of the first 10
+    at = state.index(struct.pack("<iIi", 0, 1, 0))
+    for i in range(20):
+        struct.pack_into("<i", shifted, at + 12 * i, i + 10)
+    for bad in (moved(state, 50_000_000), moved(state, -1), shifted):
+        with pytest.raises(lcg.UnsupportedFormatError, match="do not hold positions"):
+            codec.decode_chunk(chunk, opened, bad)
+        with pytest.raises(lcg.UnsupportedFormatError, match="do not hold positions"):
+            codec.splice(bad, state, 0, 8)
+    skeleton = codec.encode_skeleton(state)
+    forged = bytes(reseal(moved(skeleton, 50_000_000)))
+    for n_pos in (20, 10):
+        with pytest.raises(lcg.CorruptDataError, match="skeleton whose state cannot be cut"):
+            codec.skeleton_state(forged, n_pos)
+    for call in (lcg.decode, lcg.decoded_size):
+        with pytest.raises(lcg.InvalidArgumentError, match="holds no K/V"):
+            call(skeleton)
+    target = codec.skeleton_state(skeleton, 20)
+    for read_only in (bytes(target), memoryview(bytes(target))):
+        with pytest.raises(lcg.InvalidArgumentError, match="writable"):
+            codec.decode_chunk(chunk, opened, read_only)
+        with pytest.raises(lcg.InvalidArgumentError, match="writable"):
+            lcg.decode_into(lcg.encode(state, "balanced"), read_only)
+    codec.decode_chunk(chunk, opened, target)  # the checks above refuse nothing that is right

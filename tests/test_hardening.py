@@ -3,6 +3,7 @@ not write, a refused load changes nothing, and a malformed envelope is a Corrupt
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -407,3 +408,48 @@ def test_token_ids_outside_the_vocabulary_never_reach_the_context() -> None:
         with pytest.raises(CorruptDataError, match="vocabulary"):
             load_compressed_state(llm, blob)
         assert (capture_state(llm, None), llm.n_tokens) == before
+
+
+def test_a_forged_or_untagged_skeleton_cuts_the_prefix_before_the_chunk_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A skeleton is the state chunks decode into, placed by its cells' positions. One forged in a
+    store without a key (a cell at position 50,000,000, checksums and id made to match) crashed
+    every load of a prefix through it, the proxy's too (a heap overflow); one without the key's tag
+    failed the load (AuthenticationError), which a proxy took for the store failing. Either cuts the
+    prefix before the chunk naming it; the forged one is removed."""
+    from test_bad_input import reseal
+
+    llm = smollm()
+    tokens = llm.tokenize((LONG_PROMPT + " " + LONG_OTHER).encode())[:40]
+    llm.eval(tokens)
+    chunks.save_chunked(llm, f"file://{tmp_path}/ctx", levels=("lossless",), chunk_tokens=C)
+    (skeleton_path,) = (tmp_path / PREFIX / "skeletons").iterdir()
+    skeleton = skeleton_path.read_bytes()
+    forged = bytearray(skeleton)
+    cell5 = struct.pack("<iIi", 5, 1, 0) + struct.pack("<iIi", 6, 1, 0)  # cells 5 and 6's records
+    struct.pack_into("<i", forged, skeleton.index(cell5), 50_000_000)
+    forged = bytes(reseal(forged))
+    forged_id = hashlib.sha256(forged).hexdigest()
+    (skeleton_path.parent / forged_id).write_bytes(forged)
+    keys = chunks.chain_keys(model_fingerprint(llm), np.asarray(tokens), C)
+    last = tmp_path / PREFIX / "chunks" / keys[-1] / "lossless"  # chunk 2 (positions 32..39) names it
+    repointed = last.read_bytes().replace(skeleton_path.name.encode(), forged_id.encode())
+    last.write_bytes(bytes(reseal(bytearray(repointed))))
+    fresh = smollm()
+    report = chunks.load_prefix(fresh, f"file://{tmp_path}", tokens, chunk_tokens=C)
+    assert report.tokens == 32 and fresh.n_tokens == 32
+    assert not (skeleton_path.parent / forged_id).exists() and skeleton_path.exists()
+    fresh.eval(tokens[32:])
+    np.testing.assert_array_equal(fresh.scores[39], llm.scores[39])  # lossless chunks, then computed
+
+    monkeypatch.setenv(KEY_ENV, "shared secret")
+    keyed = tmp_path / "keyed"
+    chunks.save_chunked(llm, f"file://{keyed}/ctx", levels=("lossless",), chunk_tokens=C)
+    (skeleton_path,) = (keyed / PREFIX / "skeletons").iterdir()
+    skeleton_path.write_bytes(skeleton_path.read_bytes()[40:])  # the tag stripped (40 bytes: magic and HMAC)
+    fresh = smollm()
+    report = chunks.load_prefix(fresh, f"file://{keyed}", tokens, chunk_tokens=C)  # no AuthenticationError
+    assert report.tokens == 0 and fresh.n_tokens == 0
+    chunks.save_chunked(llm, f"file://{keyed}/ctx", levels=("lossless",), chunk_tokens=C)  # written over
+    assert chunks.load_prefix(smollm(), f"file://{keyed}", tokens, chunk_tokens=C).tokens == 40

@@ -764,6 +764,29 @@ def test_listings_hold_only_keys_a_store_can_delete(tmp_path: Path, redis_url: s
         client.close()
 
 
+def test_a_redis_value_of_another_type_is_no_entry_and_is_written_over(redis_url: str) -> None:
+    """A list at a key (another client's) failed every read of it with WRONGTYPE, a StoreError: a
+    prompt cache or proxy set the whole store aside each time, and a save skipped it as present.
+    It is a miss now, absent from exists and listings, and a put replaces it."""
+    import redis
+
+    prefix = f"t{os.getpid()}-wrongtype:"
+    client = redis.Redis.from_url(redis_url)
+    with open_store(f"{redis_url}?prefix={prefix}") as store:
+        store.put("lcg4/chunks/b", b"y")
+        client.rpush(f"{prefix}lcg4/chunks/a", b"x")
+        store.mark_used(["lcg4/chunks/a"])  # in the LRU set too, as an entry written and later replaced
+        for max_size in (None, 10):
+            with pytest.raises(EntryNotFoundError, match="a list there"):
+                store.get("lcg4/chunks/a", max_size)
+        assert store.exists_many(["lcg4/chunks/a", "lcg4/chunks/b"]) == [False, True]
+        assert not store.exists("lcg4/chunks/a") and not store.has("lcg4/chunks/a")
+        assert [e.key for e in store.list("lcg4/")] == ["lcg4/chunks/b"]
+        store.put("lcg4/chunks/a", b"z")
+        assert store.get("lcg4/chunks/a") == b"z"
+    client.close()
+
+
 def test_a_redis_store_keeps_its_lru_set_in_step_on_the_servers_clock(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

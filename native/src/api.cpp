@@ -224,7 +224,7 @@ int lcg_encode(const void * state, size_t state_size, const lcg_encode_params * 
 int lcg_decoded_size(const void * container, size_t container_size, size_t * state_size) {
     return guarded([&] {
         LCG_CHECK(container != nullptr && state_size != nullptr, LCG_ERR_INVALID_ARGUMENT, "NULL argument");
-        *state_size = decoded_size(static_cast<const uint8_t *>(container), container_size);
+        *state_size = decoded_size(static_cast<const uint8_t *>(container), container_size, LCG_PART_WHOLE);
     });
 }
 
@@ -233,8 +233,8 @@ int lcg_decode(const void * container, size_t container_size, int32_t n_threads,
     return guarded([&] {
         LCG_CHECK(container != nullptr && (dst != nullptr || dst_capacity == 0), LCG_ERR_INVALID_ARGUMENT,
                   "NULL argument");
-        const size_t n = decode_whole(static_cast<const uint8_t *>(container), container_size, n_threads,
-                                      static_cast<uint8_t *>(dst), dst_capacity);
+        const size_t n = decode_whole(static_cast<const uint8_t *>(container), container_size, LCG_PART_WHOLE,
+                                      n_threads, static_cast<uint8_t *>(dst), dst_capacity);
         if (written) {
             *written = n;
         }

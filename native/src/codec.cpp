@@ -362,10 +362,13 @@ namespace {
 
 // The layout of a whole container or skeleton, checked against its verbatim section: everything
 // the state's size rests on, before anyone allocates it.
-Layout state_layout(const ContainerView & c) {
-    LCG_CHECK(c.header.part == LCG_PART_WHOLE || c.header.part == LCG_PART_SKELETON, LCG_ERR_INVALID_ARGUMENT,
-              "a %s object does not decode to a state on its own",
-              c.header.part == LCG_PART_STATS ? "statistics" : "chunk");
+Layout state_layout(const ContainerView & c, int32_t part) {
+    static const char * const names[] = {"whole container", "skeleton", "statistics", "chunk"};
+    LCG_CHECK(c.header.part == part, LCG_ERR_INVALID_ARGUMENT, "a %s object does not decode to a state on its own%s",
+              names[c.header.part],
+              c.header.part == LCG_PART_SKELETON ? " (it holds no K/V: lcg_skeleton_state builds the state chunks "
+                                                   "decode into)"
+                                                 : "");
     Layout L = read_layout(c);
     uint64_t verbatim = 0;
     for (const Segment & s : L.segments) {
@@ -379,9 +382,9 @@ Layout state_layout(const ContainerView & c) {
 
 } // namespace
 
-size_t decoded_size(const uint8_t * data, size_t size) {
+size_t decoded_size(const uint8_t * data, size_t size, int32_t part) {
     const ContainerView c = read_container(data, size);
-    state_layout(c);
+    state_layout(c, part);
     return static_cast<size_t>(c.header.state_size);
 }
 
@@ -404,14 +407,16 @@ struct HostSink : DecodeSink {
 
 } // namespace
 
-size_t decode_whole(const uint8_t * data, size_t size, int32_t n_threads, uint8_t * dst, size_t dst_capacity) {
+size_t decode_whole(const uint8_t * data, size_t size, int32_t part, int32_t n_threads, uint8_t * dst,
+                    size_t dst_capacity) {
     HostSink sink(dst);
-    return decode_whole_to(data, size, n_threads, dst_capacity, sink);
+    return decode_whole_to(data, size, part, n_threads, dst_capacity, sink);
 }
 
-size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, size_t dst_capacity, DecodeSink & sink) {
+size_t decode_whole_to(const uint8_t * data, size_t size, int32_t part, int32_t n_threads, size_t dst_capacity,
+                       DecodeSink & sink) {
     const ContainerView c = read_container(data, size);
-    const Layout L = state_layout(c);
+    const Layout L = state_layout(c, part);
     const size_t state_size = static_cast<size_t>(c.header.state_size);
     // Every checksum before anything is written, the sections shared among the threads.
     parallel_for(c.sections.size(), n_threads, [&](size_t i) { verify_section(c, c.sections[i]); });
@@ -459,14 +464,39 @@ size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, siz
     return state_size;
 }
 
+namespace {
+
+// A skeleton is written from a chunkable state holding positions 0..pos_end-1: one whose cells say
+// otherwise was forged or damaged past its checksums (chunks decoded into it would be mapped by
+// those positions).
+ParsedState parse_skeleton_state(const uint8_t * state, size_t size, const ContainerView & c) {
+    ParsedState st = parse_state(state, size, c.header.state_kind);
+    uint32_t n = 0;
+    try {
+        n = chunkable_positions(st);
+    } catch (const Error & e) {
+        fail(LCG_ERR_CORRUPT, "a skeleton whose state cannot be cut into chunks: %s", e.what());
+    }
+    LCG_CHECK(n == c.header.pos_end, LCG_ERR_CORRUPT, "a skeleton of %u positions whose state holds %u",
+              c.header.pos_end, n);
+    return st;
+}
+
+} // namespace
+
 size_t skeleton_state(const uint8_t * data, size_t size, uint32_t n_pos, uint8_t * dst, size_t dst_capacity) {
     const ContainerView c = read_part(data, size, LCG_PART_SKELETON, "a skeleton");
-    if (n_pos == c.header.pos_end && n_pos > 0) {  // all its positions: the skeleton decodes in place
-        return dst != nullptr ? decode_whole(data, size, 1, dst, dst_capacity) : decoded_size(data, size);
+    if (n_pos == c.header.pos_end && n_pos > 0 && dst == nullptr) {
+        return decoded_size(data, size, LCG_PART_SKELETON);
     }
-    std::vector<uint8_t> full(decoded_size(data, size));
-    decode_whole(data, size, 1, full.data(), full.size());
-    const ParsedState st = parse_state(full.data(), full.size(), c.header.state_kind);
+    if (n_pos == c.header.pos_end && n_pos > 0) {  // all its positions: the skeleton decodes in place
+        const size_t n = decode_whole(data, size, LCG_PART_SKELETON, 1, dst, dst_capacity);
+        parse_skeleton_state(dst, n, c);
+        return n;
+    }
+    std::vector<uint8_t> full(decoded_size(data, size, LCG_PART_SKELETON));
+    decode_whole(data, size, LCG_PART_SKELETON, 1, full.data(), full.size());
+    const ParsedState st = parse_skeleton_state(full.data(), full.size(), c);
     const std::vector<uint8_t> prefix = prefix_state(full.data(), full.size(), st, n_pos, false);
     if (dst != nullptr) {
         LCG_CHECK(dst_capacity >= prefix.size(), LCG_ERR_DST_TOO_SMALL, "destination holds %zu bytes, the state needs %zu",

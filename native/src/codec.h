@@ -39,10 +39,13 @@ Layout read_layout(const ContainerView & c);
 uint8_t * encode_whole(const uint8_t * state, size_t size, const EncodeOptions & opt, size_t * out_size);
 uint8_t * encode_skeleton(const uint8_t * state, size_t size, int32_t kind, size_t * out_size);
 
-// Size of the state a whole container or skeleton decodes to, after validating its layout.
-size_t decoded_size(const uint8_t * data, size_t size);
+// Size of the state an object of `part` (a whole container, or a skeleton) decodes to, after
+// validating its layout; another part is refused (a skeleton taken for a whole container would
+// give a state of zero K/V without a word).
+size_t decoded_size(const uint8_t * data, size_t size, int32_t part);
 // Verifies every checksum, then rebuilds the state into dst (a skeleton's K/V left zero).
-size_t decode_whole(const uint8_t * data, size_t size, int32_t n_threads, uint8_t * dst, size_t dst_capacity);
+size_t decode_whole(const uint8_t * data, size_t size, int32_t part, int32_t n_threads, uint8_t * dst,
+                    size_t dst_capacity);
 
 // Where a decode writes: host memory (decode_whole, decode_chunk) or a CUDA device (device.cpp).
 // The walkers below check everything the host can (checksums, layout, sizes, destination bounds),
@@ -62,7 +65,8 @@ struct DecodeSink {
     // verbatim segments are in), else NULL.
     virtual const uint8_t * host_state() const { return nullptr; }
 };
-size_t decode_whole_to(const uint8_t * data, size_t size, int32_t n_threads, size_t dst_capacity, DecodeSink & sink);
+size_t decode_whole_to(const uint8_t * data, size_t size, int32_t part, int32_t n_threads, size_t dst_capacity,
+                       DecodeSink & sink);
 // Writes the state of a skeleton's first n_pos positions, K/V zero, into dst (NULL: only its size)
 // and returns its size. All positions decode straight into dst; a prefix is built aside first.
 size_t skeleton_state(const uint8_t * data, size_t size, uint32_t n_pos, uint8_t * dst, size_t dst_capacity);

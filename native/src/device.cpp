@@ -391,7 +391,7 @@ size_t decode_whole_device(const uint8_t * data, size_t size, uint8_t * device_d
                            void * stream) {
     const cuda::Backend & b = require_device();
     DeviceSink sink(data, device_dst, dst_capacity, nullptr);
-    const size_t n = decode_whole_to(data, size, 1, dst_capacity, sink);
+    const size_t n = decode_whole_to(data, size, LCG_PART_WHOLE, 1, dst_capacity, sink);
     sink.run(b, size, nullptr, stream);
     return n;
 }

@@ -358,6 +358,7 @@ uint32_t chunkable_positions(const ParsedState & st) {
 }
 
 std::vector<std::vector<uint32_t>> cell_of_position(const ParsedState & st) {
+    chunkable_positions(st);  // every position 0..n-1 once: the map below is written within its n cells
     std::vector<std::vector<uint32_t>> out(st.groups.size());
     for (size_t g = 0; g < st.groups.size(); g++) {
         const std::vector<int32_t> & pos = st.groups[g].pos;

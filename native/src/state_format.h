@@ -90,6 +90,8 @@ std::vector<uint8_t> prefix_state(const uint8_t * data, size_t size, const Parse
                                   bool copy_kv);
 
 // Per stream (cell group) of a chunkable state: the state's cell index holding each position.
+// Throws as chunkable_positions for a state that is not chunkable (a caller's state, or a
+// skeleton from a store, whose cells hold positions past their count).
 std::vector<std::vector<uint32_t>> cell_of_position(const ParsedState & st);
 
 // Per stream (cell group): the cell index holding each position of [pos_begin, pos_end), in a

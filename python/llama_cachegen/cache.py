@@ -354,7 +354,7 @@ class CompressedStateCache(BaseLlamaCache):
         """A stored whole context, checked (its tokens, the fingerprint, a quality at least the
         cache's level) and decoded, and its lossy record: its container's level and the one it
         carries (K/V decoded from a lossy level, stored losslessly)."""
-        blob = self.store.get(key)
+        blob = self.store.get(key, chunks.whole_bound(fingerprint, int(tokens.size)))
         meta = StateMeta.unpack(codec.user_meta(blob))
         check_fingerprint(meta.fingerprint, fingerprint)
         info = codec.inspect(blob)
@@ -489,7 +489,7 @@ class CompressedStateCache(BaseLlamaCache):
         n = int(value.n_tokens)
         tokens = np.asarray(value.input_ids[:n], np.intc)
         key = self._snapshot_key(tokens)
-        if n == 0 or self.store.has(key):
+        if n == 0 or self.store.has(key, chunks.whole_bound(fingerprint, n)):
             return
         state = bytes(value.llama_state[: value.llama_state_size])
         info = codec.inspect_state(state, "full_buffer")

@@ -42,12 +42,14 @@ import numpy as np
 from . import codec, envelope, stores
 from .envelope import MANIFEST_MAGIC, is_int, require
 from .errors import (
+    AuthenticationError,
     CacheGenError,
     CorruptDataError,
     EntryNotFoundError,
     InvalidArgumentError,
     LimitExceededError,
     ModelMismatchError,
+    NativeMemoryError,
     NotAContainerError,
     StoreError,
     UnsupportedFormatError,
@@ -501,7 +503,7 @@ def _unchunkable(fingerprint: dict[str, Any]) -> str:
 
 def _put_missing(store: stores.Store, uploads: _Uploads, key: str, data: bytes) -> bool:
     """Uploads a content-addressed object unless the store has it; True when it was there."""
-    if store.has(key):
+    if store.has(key, max_size=len(data)):  # content-addressed: these very bytes, or not ours
         return True
     uploads.put(key, data)
     return False
@@ -564,7 +566,7 @@ def _save_chunks(
     fp_key = fingerprint_key(fingerprint)
     level_bytes: dict[str, int] = {}
     for level in levels:
-        held = store.has_many([_chunk_key(key, level) for key in keys])
+        held = store.has_many([_chunk_key(key, level) for key in keys], max_size=chunk_bound(fingerprint, c))
         stored = [i for i, there in enumerate(held) if there]
         missing = [i for i, there in enumerate(held) if not there]
         present += len(stored)
@@ -649,17 +651,42 @@ class _ChunkReader:
         """The statistics objects fetched so far."""
         return list(self._stats)
 
-    def get_verified(self, key: str, object_id: str, what: str) -> bytes:
-        """A content-addressed object whose sha256 must be its id; one damaged where it is stored
-        is discarded (`discard_damaged`). Kept, damaged statistics failed every load of the chunks
-        naming them for good: saving the same state again makes statistics of the same id, which
-        a save skips as present (a prompt cache missed and wrote those chunks again at every
-        completion)."""
-        data = self.store.get(key)
+    def get_verified(self, key: str, object_id: str, what: str, max_size: int) -> bytes:
+        """A content-addressed object whose sha256 must be its id, read no further than `max_size`
+        bytes; one damaged where it is stored is discarded (`discard_damaged`). Kept, damaged
+        statistics failed every load of the chunks naming them for good: saving the same state
+        again makes statistics of the same id, which a save skips as present (a prompt cache missed
+        and wrote those chunks again at every completion)."""
+        try:
+            data = self.store.get(key, max_size=max_size)
+        except LimitExceededError:  # no such object is that large: removed, as a damaged one is
+            with contextlib.suppress(CacheGenError):
+                self.store.delete(key)
+            raise
         self._count(len(data))
         if _sha256(data) != object_id:
             raise self.discard_damaged(CorruptDataError(f"{what} {key!r} does not hash to its id"), key, data)
         return data
+
+    def skeleton(self, skeleton_id: str) -> bytes:
+        """The skeleton `skeleton_id`, read no further than one of these tokens can hold."""
+        bound = _skeleton_bound(self.fingerprint, len(self.tokens))
+        return self.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton", bound)
+
+    def skeleton_state(self, skeleton_id: str, skeleton: bytes) -> np.ndarray:
+        """The state of the tokens' positions with zero K/V, built from `skeleton`. One that hashes
+        to its id and builds no such state (cells of other positions, fewer positions, a state past
+        the model's bound) was forged, or written by a broken writer: a CorruptDataError, and
+        discarded as a damaged one."""
+        n_pos, key = len(self.tokens), _skeleton_key(skeleton_id)
+        try:
+            bound = _state_bound(self.fingerprint, n_pos, skeleton)
+            return codec.skeleton_state(skeleton, n_pos, max_size=bound, alloc=codec.empty_buffer)
+        except NativeMemoryError:
+            raise
+        except CacheGenError as exc:
+            bad = CorruptDataError(f"skeleton {key!r} builds no state of {n_pos} positions: {exc}")
+            raise self.discard_damaged(bad, key, skeleton) from exc
 
     def discard_damaged(self, exc: CorruptDataError, key: str, data: bytes) -> CorruptDataError:
         """`exc`, which `data` (read from `key`) failed verification with; the object is deleted
@@ -736,7 +763,8 @@ class _ChunkReader:
             self.skeleton_ids.add(meta.skeleton_id)
             if meta.stats_id not in self._stats:
                 try:
-                    data = self.get_verified(_stats_key(meta.stats_id), meta.stats_id, "statistics")
+                    stats_key, bound = _stats_key(meta.stats_id), _stats_bound(self.fingerprint)
+                    data = self.get_verified(stats_key, meta.stats_id, "statistics", bound)
                 except EntryNotFoundError:
                     missing = _stats_key(meta.stats_id)
                     orphaned |= self.discard_orphan(_chunk_key(self.keys[i], level), chunk, missing)
@@ -792,6 +820,25 @@ def chunk_bound(fingerprint: dict[str, Any], chunk_tokens: int) -> int:
     return chunk_tokens * _cell_bound(fingerprint) + _MAX_CHUNK_HEADER + (1 << 20)
 
 
+def _skeleton_bound(fingerprint: dict[str, Any], n_pos: int) -> int:
+    """The most a skeleton of n_pos positions can hold (everything of a state but its K/V rows):
+    cell records, an output row (logits and embedding) per position at most, and a recurrent
+    state of 32 cells' worth."""
+    n_vocab, n_embd = int(fingerprint.get("n_vocab") or 0), int(fingerprint.get("n_embd") or 0)
+    return (1 << 20) + n_pos * (256 + 4 * (n_vocab + n_embd)) + 32 * _cell_bound(fingerprint)
+
+
+def _stats_bound(fingerprint: dict[str, Any]) -> int:
+    """The most a statistics object can hold: its tables, steps and means are per channel, tens of
+    bytes each (a few hundred KB for SmolLM2), not per position."""
+    return 64 * _cell_bound(fingerprint) + (1 << 20)
+
+
+def whole_bound(fingerprint: dict[str, Any], n_pos: int) -> int:
+    """The most a container of n_pos positions (or a manifest of that many tokens) can hold."""
+    return _skeleton_bound(fingerprint, n_pos) + n_pos * _cell_bound(fingerprint) + _MAX_MANIFEST_HEADER
+
+
 def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> int:
     """An upper bound on the skeleton's whole state (a prefix of n_pos positions is cut from it),
     plus the skeleton's own bytes. Refuses a forged skeleton asking for far more (a 368-byte one
@@ -819,16 +866,15 @@ def _assemble(
         ready.append(reader.fetch(order[0]))
         skeleton_id = ready[0].meta.skeleton_id
     try:
-        skeleton = reader.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton")
-    except (EntryNotFoundError, CorruptDataError) as exc:  # gone, or damaged (so removed)
+        skeleton = reader.skeleton(skeleton_id)
+        state = reader.skeleton_state(skeleton_id, skeleton)
+    except (EntryNotFoundError, CorruptDataError, AuthenticationError) as exc:  # gone, damaged (so
+        # removed), or without the key's tag (not ours to remove: a save with the key writes it over)
         if not ready:
             raise
         # the last chunk named it: the prefix cannot end there (the chunk is kept: a longer
         # prefix through it ends at a chunk naming a skeleton that may be there)
         raise ChunkMissingError(f"{exc}, named by the last chunk", len(reader.keys) - 1) from exc
-    n_pos = len(reader.tokens)
-    bound = _state_bound(reader.fingerprint, n_pos, skeleton)
-    state = codec.skeleton_state(skeleton, n_pos, max_size=bound, alloc=codec.empty_buffer)
     levels: dict[str, int] = {}
     lossy: tuple[int, str] | None = None  # (first position of lossy K/V, the worst level)
     fetch_s = decode_s = 0.0
@@ -929,12 +975,13 @@ def load_chunked(
     if level is not None:
         level = codec.level_name(level)
     store_url, key = split_manifest_url(url)
+    fingerprint = model_fingerprint(llm)
     with stores.open_store(store_url) as store:
-        data = store.get(key) if manifest is None else bytes(manifest)
+        # a manifest, or a whole container, of at most the context's size
+        data = store.get(key, whole_bound(fingerprint, llm.n_ctx())) if manifest is None else bytes(manifest)
         if not envelope.is_manifest(data) and _whole_at(data, level, url):
             return load_compressed_state(llm, data, seq_id=seq_id, threads=threads)
         m = Manifest.unpack(data)
-        fingerprint = model_fingerprint(llm)
         check_fingerprint(m.meta.fingerprint, fingerprint)
         target = _target(m.meta.scope, seq_id)
         _seq_id_ok(llm, target)
@@ -1007,7 +1054,7 @@ def _load_whole(
     for name in _candidates(m.wholes, level, 0):
         whole_id, _ = m.wholes[name]
         try:
-            blob = store.get(_whole_key(whole_id))
+            blob = store.get(_whole_key(whole_id), whole_bound(m.meta.fingerprint, int(m.meta.tokens.size)))
         except EntryNotFoundError:
             continue
         if _sha256(blob) != whole_id:

@@ -91,6 +91,15 @@ def _threads(threads: int | None) -> int:
     return 0 if threads is None else int(threads)
 
 
+def _writable(data: Buffer, what: str) -> Any:
+    """A pointer into a caller's buffer that a call writes: a read-only one (bytes, whose value
+    and hash must not change) is refused."""
+    try:
+        return ffi.from_buffer(data, require_writable=True)
+    except (TypeError, ValueError, BufferError) as exc:  # BufferError: read-only; ValueError: strided
+        raise InvalidArgumentError(f"{what}: expected a writable buffer, got {type(data).__name__}") from exc
+
+
 def _view(data: Buffer) -> Any:
     if isinstance(data, ffi.CData):  # already a view (internal reuse)
         return data
@@ -341,10 +350,7 @@ def decode_into(blob: Buffer, dst: Buffer | DeviceBuffer, *, threads: int | None
         check(lib.lcg_decode_device(src, len(src), device.ptr, device.size, device.stream))
         return need
     written = ffi.new("size_t *")
-    try:
-        out = ffi.from_buffer(dst, require_writable=True)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"expected a writable buffer, got {type(dst).__name__}") from exc
+    out = _writable(dst, "decode_into")
     _check_room(src, len(out))
     check(lib.lcg_decode(src, len(src), _threads(threads), out, len(out), written))
     return int(written[0])
@@ -586,7 +592,7 @@ def skeleton_state(
     from) would be larger, before anything is allocated.
     """
     src = _view(skeleton)
-    if max_size is not None and (full := decoded_size(src)) > max_size:
+    if max_size is not None and (full := inspect(src)["state_size"]) > max_size:
         raise LimitExceededError(f"the skeleton's state needs {full} bytes (at most {max_size})")
     size = ffi.new("size_t *")
     check(lib.lcg_skeleton_state(src, len(src), n_pos, ffi.NULL, 0, size))
@@ -675,8 +681,8 @@ def decode_chunk(
             lib.lcg_decode_chunk_device(c, len(c), stats._handle, host, len(host), device.ptr, device.stream)
         )
         return
-    dst = ffi.from_buffer(state)
-    check(lib.lcg_decode_chunk(c, len(c), stats._handle, _threads(threads), dst, len(state)))
+    dst = _writable(state, "decode_chunk")
+    check(lib.lcg_decode_chunk(c, len(c), stats._handle, _threads(threads), dst, len(dst)))
 
 
 def _device_state(device_state: DeviceBuffer | Any, state: Buffer) -> _DeviceTarget:
@@ -716,16 +722,14 @@ def decode_chunks(
             )
         )
         return
-    dst = ffi.from_buffer(state)
-    check(
-        lib.lcg_decode_chunks(pointers, sizes, len(views), stats._handle, _threads(threads), dst, len(state))
-    )
+    dst = _writable(state, "decode_chunks")
+    check(lib.lcg_decode_chunks(pointers, sizes, len(views), stats._handle, _threads(threads), dst, len(dst)))
 
 
 def splice(state: Buffer, src: Buffer, begin: int, end: int) -> None:
     """Copies the K/V rows of positions [begin, end) of llama.cpp state `src` into `state`."""
-    s = _view(src)
-    check(lib.lcg_splice(ffi.from_buffer(state), len(state), s, len(s), begin, end))
+    s, dst = _view(src), _writable(state, "splice")
+    check(lib.lcg_splice(dst, len(dst), s, len(s), begin, end))
 
 
 def version() -> tuple[int, int]:

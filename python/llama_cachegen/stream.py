@@ -1623,14 +1623,13 @@ class _Loader:
     def _start_skeleton(self) -> None:
         skeleton_id = self.m.skeleton
         assert skeleton_id is not None
-        key = chunks._skeleton_key(skeleton_id)
         with self.cv:
             self.skeleton_tries += 1
             self.skeleton_job = self.current = _Job(
                 self.reader,
                 -1,
                 "skeleton",
-                lambda: self.reader.get_verified(key, skeleton_id, "skeleton"),
+                lambda: self.reader.skeleton(skeleton_id),
                 on_done=self._wake,
             )
 
@@ -1648,13 +1647,17 @@ class _Loader:
             self.skeleton_job = None
             self.skeleton_s = job.seconds
             self._link_busy()
+        state = None
         if job.error is None:
+            try:
+                state = self.reader.skeleton_state(str(self.m.skeleton), job.result)
+            except CorruptDataError as exc:  # forged: removed, so the second fetch finds nothing
+                job.error = exc
+        if state is not None:
             self.skeleton = job.result
             if job.bytes:
                 self.first_inv = job.seconds / job.bytes
             n = int(self.tokens.size)
-            bound = chunks._state_bound(self.reader.fingerprint, n, self.skeleton)
-            state = codec.skeleton_state(self.skeleton, n, max_size=bound, alloc=codec.empty_buffer)
             computed = max((e for (_, e), d in zip(self.ranges, self.done, strict=True) if d), default=0)
             if computed:  # chunks 0..k, all computed: the context holds them
                 codec.splice(state, _state_array(self.llm, self.target), 0, computed)
@@ -1771,7 +1774,10 @@ def load_streaming(
         if calibration is not None:
             waits.callback(calibration.join)
             waits.callback(calibration.stop)  # first: a load that fails waits for one piece only
-        data = store.get(key) if manifest is None else bytes(manifest)
+        fingerprint = model_fingerprint(llm)
+        # a manifest, or a whole container, of at most the context's size
+        bound = chunks.whole_bound(fingerprint, llm.n_ctx())
+        data = store.get(key, bound) if manifest is None else bytes(manifest)
         if not envelope.is_manifest(data):  # one whole container: nothing to stream
             if calibration is not None:
                 calibration.stop()
@@ -1780,7 +1786,6 @@ def load_streaming(
             n_tokens = int(StateMeta.unpack(codec.user_meta(data)).tokens.size)
             return _whole_report(whole, n_tokens, stores.redact(url), slo_s, t0, table)
         m = chunks.Manifest.unpack(data)
-        fingerprint = model_fingerprint(llm)
         check_fingerprint(m.meta.fingerprint, fingerprint)
         target = chunks._target(m.meta.scope, seq_id)
         _seq_id_ok(llm, target)

@@ -169,21 +169,22 @@ class Store(ABC):
         """exists() of each key, in order; stores over a network ask in one round trip."""
         return [self.exists(k) for k in keys]
 
-    def has(self, key: str) -> bool:
-        """Whether `get(key)` would return a value: existence, and with a key configured a valid
-        tag (the object is read). Content-addressed writers keep what `has`: an untagged object,
-        or one of another key, must be written over, or every keyed load of it fails."""
+    def has(self, key: str, max_size: int | None = None) -> bool:
+        """Whether `get(key, max_size)` would return a value: existence, and with a key configured
+        a valid tag (the object is read, no further than `max_size` bytes). Content-addressed
+        writers keep what `has`: an untagged object, one of another key, or one larger than any
+        such object can be must be written over, or every keyed load of it fails."""
         if self.auth_key is None:
             return self.exists(key)
         try:
-            self.get(key)
-        except (EntryNotFoundError, AuthenticationError):
+            self.get(key, max_size)
+        except (EntryNotFoundError, AuthenticationError, LimitExceededError):
             return False
         return True
 
-    def has_many(self, keys: Sequence[str]) -> list[bool]:
+    def has_many(self, keys: Sequence[str], max_size: int | None = None) -> list[bool]:
         """has() of each key, in order: one round trip (exists_many) when no key is configured."""
-        return self.exists_many(keys) if self.auth_key is None else [self.has(k) for k in keys]
+        return self.exists_many(keys) if self.auth_key is None else [self.has(k, max_size) for k in keys]
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[EntryInfo]:

@@ -108,17 +108,20 @@ class RedisStore(Store):
 
     def _get(self, key: str, limit: int | None) -> bytes:
         name = self._name(key)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.type(name)
         if limit is None:
-            value = self._call("GET", self._redis.get, name)
-        else:  # at most limit + 1 bytes come back (GETRANGE of a missing key is empty: EXISTS says)
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.exists(name)
+            pipe.get(name)
+        else:  # at most limit + 1 bytes come back (GETRANGE of a missing key is empty: TYPE says)
             pipe.getrange(name, 0, limit)
-            exists, value = self._call("GET", pipe.execute)
-            if not exists:
-                value = None
-        if value is None:
-            raise EntryNotFoundError(f"{key!r} not in {self.url}")
+        # another type than a string (a list another client put there) fails its read: a miss, as
+        # a key that is not there, which the next save writes over (SET replaces any type)
+        kind, value = self._call("GET", pipe.execute, raise_on_error=False)
+        if kind != b"string":
+            what = "" if kind == b"none" else f" (a {kind.decode(errors='replace')} there)"
+            raise EntryNotFoundError(f"{key!r} not in {self.url}{what}")
+        if isinstance(value, Exception):
+            raise StoreError(f"redis GET failed on {self.url}: {value}")
         if limit is not None and len(value) > limit:
             raise self._over(key, limit)
         return bytes(value)
@@ -141,15 +144,16 @@ class RedisStore(Store):
         return bool(self._call("DEL", pipe.execute)[0])
 
     def exists(self, key: str) -> bool:
-        return bool(self._call("EXISTS", self._redis.exists, self._name(key)))
+        return self.exists_many([key])[0]
 
     bulk_exists = True
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Keys holding a string: a value of another type is no entry of this store (see _get)."""
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
-            pipe.exists(self._name(key))
-        return [bool(n) for n in self._call("EXISTS", pipe.execute)]
+            pipe.type(self._name(key))
+        return [kind == b"string" for kind in self._call("TYPE", pipe.execute)]
 
     def list(self, prefix: str = "") -> list[EntryInfo]:
         members = self._call("ZRANGE", self._redis.zrange, self._lru, 0, -1, withscores=True)
@@ -160,9 +164,11 @@ class RedisStore(Store):
         ]
         pipe = self._redis.pipeline(transaction=False)
         for key, _ in keys:
-            pipe.exists(self.prefix + key)
+            pipe.type(self.prefix + key)
             pipe.strlen(self.prefix + key)
-        replies = self._call("STRLEN", pipe.execute) if keys else []
+        # a value of another type (its STRLEN fails) is no entry: skipped, as one that is gone
+        replies = self._call("STRLEN", pipe.execute, raise_on_error=False) if keys else []
+        replies[::2] = [kind == b"string" for kind in replies[::2]]
         # an entry deleted by another client between the two calls is skipped; a member whose value
         # is gone otherwise (evicted by Redis, deleted by hand) goes, or the set grows for good
         gone = [k for (k, _), there in zip(keys, replies[::2], strict=False) if not there]
