@@ -455,6 +455,25 @@ def test_chunked_uploads_are_bounded_and_stalls_dropped(token_server: tuple[str,
     assert sorted(p.name for p in (root / "c").iterdir()) == ["ok.bin"]  # no entry, no temporary
 
 
+def test_a_body_that_trickles_past_the_timeout_is_dropped(token_server: tuple[str, Path]) -> None:
+    """A byte now and then, each within --body-timeout, held a connection and a temporary file
+    for as long as the sender liked. Past the timeout (1 s here) a body must come at the rate a
+    client's reads ask of the server."""
+    base, root = token_server
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"PUT /c/trickle.bin HTTP/1.1\r\n" + _AUTH + b"Content-Length: 50000\r\n\r\n")
+        s.settimeout(0.6)
+        answer, began = b"", time.monotonic()
+        while not answer and time.monotonic() - began < 20:
+            with contextlib.suppress(OSError):
+                s.sendall(b"z")
+            with contextlib.suppress(TimeoutError):
+                answer = s.recv(65536)
+    assert b" 408 " in answer.split(b"\r\n", 1)[0], answer
+    assert not (root / "c" / "trickle.bin").exists()
+
+
 def test_a_compressed_upload_is_refused_not_inflated(token_server: tuple[str, Path]) -> None:
     """aiohttp inflates a body sent with Content-Encoding: 51 KB of gzip stored 50 MB (bounded
     only by --max-body). The server takes bytes as they are sent."""

@@ -604,11 +604,18 @@ class _Server:
     async def _put(self, request: web.Request, key: str) -> web.StreamResponse:
         declared = request.content_length  # at most max_body (_refusal)
         pending: PendingWrite = await self._run(self.store.begin_write, key)
+        began = time.monotonic()
         try:
             while chunk := await asyncio.wait_for(request.content.readany(), self.body_timeout):
                 if pending.size + len(chunk) > self.max_body:
                     pending.abort()
                     return _closing(413, f"body over {self.max_body} bytes")
+                # a byte now and then within the timeout held a connection and a temporary for
+                # good: past the timeout, a body comes at _MIN_BODY_RATE, as the client's reads ask
+                late = time.monotonic() - began - self.body_timeout
+                if late > 0 and pending.size + len(chunk) < late * _MIN_BODY_RATE:
+                    pending.abort()
+                    return _closing(408, f"body under {_MIN_BODY_RATE} bytes/s past {self.body_timeout:g} s")
                 try:
                     await self._run(pending.write, chunk)
                 except OSError as exc:
