@@ -303,9 +303,11 @@ def test_a_prefix_lookup_asks_an_http_store_in_one_request_per_round(
 
     monkeypatch.setattr(HttpStore, "_request", counted)
     for tokens, stored, rounds in (
-        (contexts["tokens"]["d"], 4, 2),  # 6 chunks, A's first 4 (192 tokens): 4 found, then 1 of 2
+        # 6 chunks, A's first 4 (192 tokens): 4 found, then 1 of 2, then A's last chunk (a partial
+        # one) among the lengths of D's next chunk (_tail)
+        (contexts["tokens"]["d"], 4, 3),
         (contexts["tokens"]["a"], 5, 2),
-        (contexts["tokens"]["d"][1:], 0, 1),
+        (contexts["tokens"]["d"][1:], 0, 2),
     ):
         sent.clear()
         match = chunks.longest_prefix(base, llm, tokens, chunk_tokens=c)
@@ -348,6 +350,29 @@ def test_a_prefix_lookup_without_a_size_finds_chunks_of_any_size(
         )
         match = chunks.longest_prefix(tmp_path / f"short{size}", llm, short)
         assert (match.chunk_tokens, match.positions) == (size, 81)
+
+
+def test_a_query_that_extends_a_save_finds_its_last_partial_chunk(
+    contexts: dict[str, Any], tmp_path: Path
+) -> None:
+    """A save's last chunk holds as many tokens as the save had; a follow-up question after a saved
+    context matched up to the last whole chunk and computed the rest of the save again (a save
+    shorter than one chunk: all of it). Its partial chunk is found among the lengths that fit."""
+    tokens, states = contexts["tokens"], contexts["states"]
+    llm = _llama(n_ctx=512)
+    _set(llm, states["a"], tokens["a"])
+    chunks.save_chunked(llm, tmp_path / "ctx", levels=("lossless",), chunk_tokens=64)
+    follow_up = tokens["a"] + tokens["b"][200:220]  # 230 saved tokens (chunk 3: 38), then 20 more
+    for size in (64, None):
+        match = chunks.longest_prefix(tmp_path, llm, follow_up, chunk_tokens=size)
+        assert (match.chunks, match.positions, match.levels) == (4, 230, [("lossless",)] * 4)
+    other = _llama(n_ctx=512)
+    assert chunks.load_prefix(other, tmp_path, follow_up).tokens == 230
+    assert capture_state(other, None) == states["a"]
+    # shorter than one chunk at the default size (256), and asked without a size
+    chunks.save_chunked(llm, tmp_path / "short" / "ctx", levels=("lossless",))
+    assert chunks.longest_prefix(tmp_path / "short", llm, follow_up).positions == 230
+    assert chunks.longest_prefix(tmp_path / "short", llm, follow_up[:100]).positions == 0  # none that short
 
 
 def test_a_level_asked_of_a_whole_container(contexts: dict[str, Any], tmp_path: Path) -> None:

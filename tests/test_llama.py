@@ -22,6 +22,7 @@ from llama_cachegen.llama import (
     model_fingerprint,
     restore_state,
     save_compressed_state,
+    scores_fill_bytes,
 )
 from llama_cachegen.model import sample_text
 from llama_cachegen.quality import compare_logits
@@ -411,4 +412,7 @@ def test_a_load_takes_the_savers_seed_and_no_stale_prompt_logits(tmp_path: Path)
     loader.load_compressed_state(tmp_path / "ctx.lcg")
     assert loader._seed == 1234
     assert np.isnan(loader.scores[: PREFIX - 1]).all()
+    # what a streaming load's plan counts for them (its restore, against its SLO)
+    assert scores_fill_bytes(loader, None, PREFIX) == (PREFIX - 1) * loader.n_vocab() * 4
+    assert scores_fill_bytes(loader, 1, PREFIX) == scores_fill_bytes(saver, None, PREFIX) == 0
     assert loader.create_completion(tokens, max_tokens=8, temperature=0.9)["choices"][0]["text"] == expected

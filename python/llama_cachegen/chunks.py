@@ -1105,13 +1105,16 @@ def _match(
     tokens: np.ndarray,
     chunk_tokens: int,
     probe: Sequence[str] = codec.LEVEL_ORDER,
+    *,
+    tail: bool = False,
 ) -> PrefixMatch:
     """The stored chunks that start `tokens`, each with the levels of `probe` it is stored at (a
     caller of one level asks for it alone: a prompt cache looks up at every completion). A store
     that asks many keys in one round trip (bulk_exists) is asked in rounds of 4, 16, 64, ...
     chunks: one request per key took 0.5 ms each on a local HTTP store, and a proxy asks about
     every level of every chunk of every prompt. Others are asked chunk by chunk, up to the first
-    chunk stored at none."""
+    chunk stored at none. With `tail`, then the last chunk of a save that `tokens` extend
+    (`_tail`)."""
     chain = chain_keys(fingerprint, tokens, chunk_tokens)
     keys: list[str] = []
     levels: list[tuple[str, ...]] = []
@@ -1127,7 +1130,37 @@ def _match(
             break
         size *= 4 if store.bulk_exists else 1
     positions = min(len(keys) * chunk_tokens, int(tokens.size))
-    return PrefixMatch(chunk_tokens, len(keys), positions, keys, levels)
+    match = PrefixMatch(chunk_tokens, len(keys), positions, keys, levels)
+    if tail and len(keys) < len(chain):
+        _tail(store, fingerprint, tokens, match, probe)
+    return match
+
+
+def _tail(
+    store: stores.Store,
+    fingerprint: dict[str, Any],
+    tokens: np.ndarray,
+    match: PrefixMatch,
+    probe: Sequence[str],
+) -> None:
+    """Adds to `match` the longest partial chunk stored right after its chunks, shorter than the
+    query's chunk there: a save's last chunk is as long as its tokens ran, and its key covers only
+    those, so a query that extends a saved context (its follow-up question) matched up to the last
+    whole chunk and computed the rest of the save again (a 200-token save at 256-token chunks: all
+    of it). Every length is asked in one exists_many."""
+    c, begin = match.chunk_tokens, match.chunks * match.chunk_tokens
+    span = min(c, int(tokens.size) - begin)  # the query's chunk there, already asked
+    prev = bytes.fromhex(match.keys[-1]) if match.keys else root_key(fingerprint, c)
+    keys = [next_key(prev, tokens[begin : begin + n]).hex() for n in range(1, span)]
+    flags = iter(store.exists_many([_chunk_key(key, lv) for key in keys for lv in probe]) if keys else [])
+    found = [tuple(lv for lv in probe if next(flags)) for _ in keys]
+    for n in range(len(keys), 0, -1):
+        if found[n - 1]:
+            match.chunks += 1
+            match.positions = begin + n
+            match.keys.append(keys[n - 1])
+            match.levels.append(found[n - 1])
+            return
 
 
 def _match_sized(
@@ -1143,8 +1176,8 @@ def _match_sized(
     of a save at another size are found without the caller knowing their size (a lookup at the
     default found none, silently); a size that is no power of two is found only when named."""
     if chunk_tokens is not None:
-        return _match(store, fingerprint, tokens, chunk_tokens, probe)
-    match = _match(store, fingerprint, tokens, DEFAULT_CHUNK_TOKENS, probe)
+        return _match(store, fingerprint, tokens, chunk_tokens, probe, tail=True)
+    match = _match(store, fingerprint, tokens, DEFAULT_CHUNK_TOKENS, probe, tail=True)
     if match.chunks:
         return match
     sizes = [c for c in PROBED_CHUNK_TOKENS if c != DEFAULT_CHUNK_TOKENS]
@@ -1152,7 +1185,7 @@ def _match_sized(
     firsts = [chain_keys(fingerprint, tokens[:c], c)[0] for c in sizes]
     flags = iter(store.exists_many([_chunk_key(key, lv) for key in firsts for lv in probe]))
     for c in [c for c in sizes if any([next(flags) for _ in probe])]:
-        found = _match(store, fingerprint, tokens, c, probe)
+        found = _match(store, fingerprint, tokens, c, probe, tail=True)
         if found.positions > match.positions:
             match = found
     return match

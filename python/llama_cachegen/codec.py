@@ -185,17 +185,24 @@ _MADV_HUGEPAGE = 14  # Linux
 _libc = ctypes.CDLL(None) if sys.platform == "linux" else None
 
 
+def advise_huge_pages(address: int, size: int) -> None:
+    """Asks Linux for transparent huge pages under the whole 2 MiB pages of [address, address +
+    size), memory about to be written for the first time: a page fault per 2 MiB instead of one per
+    4 KiB (600 MB: 1.27 s -> 0.12 s). Nothing elsewhere, or for less than two huge pages."""
+    if _libc is None or size < 2 * _HUGE_PAGE:
+        return
+    first = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    length = (address + size - first) // _HUGE_PAGE * _HUGE_PAGE
+    _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+
+
 def _fresh_bytes(size: int) -> tuple[bytes, Any]:
     """A bytes object of `size` bytes to be filled before anyone else sees it, and a pointer to its
-    bytes. A large one is advised for huge pages: filling 40 MB of fresh 4 KiB pages costs ~15 ms
-    of page faults, a third of a lossless encode (a fault per 2 MiB: ~1 ms)."""
+    bytes, advised for huge pages: filling 40 MB of fresh 4 KiB pages costs ~15 ms of page faults,
+    a third of a lossless encode (a fault per 2 MiB: ~1 ms)."""
     blob = _new_bytes(None, size)
     dst = ffi.from_buffer(blob)
-    if _libc is not None and size >= 2 * _HUGE_PAGE:
-        start = int(ffi.cast("uintptr_t", dst))
-        first = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # the whole huge pages inside it
-        length = (start + size - first) // _HUGE_PAGE * _HUGE_PAGE
-        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    advise_huge_pages(int(ffi.cast("uintptr_t", dst)), size)
     return blob, dst
 
 

@@ -21,7 +21,8 @@ weigh most) it predicts the finish from
 - the CPU: prefill seconds per token as a line in the position (attention grows with the
   context), measured once per model and thread count (`calibrate`) and fitted to every piece
   computed since (`_PrefillSpeed`), plus each fetched chunk's decode time (measured per level);
-- the final restore (state bytes / _RESTORE_BPS),
+- the final restore (state bytes, and with logits_all the logits rows it marks unknown, at
+  _RESTORE_BPS),
 and takes the plan with the lowest token-weighted KL (a chunk computed counts as the best level
 stored for it: text is the fallback for a slow link, not a level above the best) that finishes
 within a share of the time left (_SLO_SHARE, less on a link whose rate has varied between chunks:
@@ -116,6 +117,7 @@ from .llama import (
     require_kv_cache,
     restore_context,
     restore_state,
+    scores_fill_bytes,
     set_tokens,
     worse_load,
 )
@@ -523,6 +525,9 @@ class _Loader:
     ) -> None:
         self.llm, self.store, self.m, self.target = llm, store, m, target
         self.tokens = m.meta.tokens
+        # the logits rows the final restore marks unknown (logits_all: 600 MB for Qwen2.5's
+        # vocabulary at 1,000 tokens, an SLO's second where it was not counted)
+        self.scores_fill = scores_fill_bytes(llm, target, int(self.tokens.size))
         c = m.chunk_tokens
         assert c is not None
         self.ranges = chunks.chunk_ranges(int(self.tokens.size), c)
@@ -721,7 +726,7 @@ class _Loader:
         """When the buffer must be complete at the latest: the SLO less its last _SLO_FLOOR and
         the final restore."""
         assert self.slo_s is not None
-        restore_s = (0 if self.state is None else len(self.state)) / _RESTORE_BPS
+        restore_s = ((0 if self.state is None else len(self.state)) + self.scores_fill) / _RESTORE_BPS
         return self.t0 + (1 - _SLO_FLOOR) * self.slo_s - restore_s
 
     def _deadline(self, now: float) -> float:
