@@ -748,8 +748,8 @@ def test_chunks_whose_statistics_are_gone_are_removed_and_saved_again(
     match = chunks._match
     evicted = []
 
-    def match_then_evict(*args: Any) -> chunks.PrefixMatch:
-        found = match(*args)
+    def match_then_evict(*args: Any, **kwargs: Any) -> chunks.PrefixMatch:
+        found = match(*args, **kwargs)
         if not evicted:  # another process's eviction between the lookup and the read
             evicted.append(chunks._chunk_key(found.keys[-1], "balanced"))
             store.delete(evicted[0])

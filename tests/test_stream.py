@@ -536,7 +536,7 @@ def _planner(plan: list[str | None], slo_s: float, mbps: float) -> stream._Loade
     loader.plan, loader.done = list(plan), [p is not None for p in plan]
     loader.jobs, loader.kept, loader.computing, loader.current = {}, set(), None, None
     loader.adapt, loader.both, loader.cpu_free = True, False, 0.0  # an SLO: adaptive
-    loader.kl, loader.decode_s_per_byte, loader.state = _KL3, {}, None
+    loader.kl, loader.decode_s_per_byte, loader.state, loader.scores_fill = _KL3, {}, None, 0
     loader.oracle = lambda nbytes: nbytes * 8 / (mbps * 1e6)
     loader.slo_s, loader.t0 = slo_s, time.perf_counter()
     return loader

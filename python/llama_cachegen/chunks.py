@@ -49,7 +49,6 @@ from .errors import (
     InvalidArgumentError,
     LimitExceededError,
     ModelMismatchError,
-    NativeMemoryError,
     NotAContainerError,
     StoreError,
     UnsupportedFormatError,
@@ -675,16 +674,15 @@ class _ChunkReader:
 
     def skeleton_state(self, skeleton_id: str, skeleton: bytes) -> np.ndarray:
         """The state of the tokens' positions with zero K/V, built from `skeleton`. One that hashes
-        to its id and builds no such state (cells of other positions, fewer positions, a state past
-        the model's bound) was forged, or written by a broken writer: a CorruptDataError, and
-        discarded as a damaged one."""
+        to its id and is no skeleton, or one whose cells are not those of its positions or whose
+        state passes the model's bound, was forged or written by a broken writer: a
+        CorruptDataError, and discarded as a damaged one. (A prefix of a state with a recurrent
+        part is refused as before: UnsupportedFormatError.)"""
         n_pos, key = len(self.tokens), _skeleton_key(skeleton_id)
         try:
             bound = _state_bound(self.fingerprint, n_pos, skeleton)
             return codec.skeleton_state(skeleton, n_pos, max_size=bound, alloc=codec.empty_buffer)
-        except NativeMemoryError:
-            raise
-        except CacheGenError as exc:
+        except (CorruptDataError, NotAContainerError) as exc:
             bad = CorruptDataError(f"skeleton {key!r} builds no state of {n_pos} positions: {exc}")
             raise self.discard_damaged(bad, key, skeleton) from exc
 
