@@ -599,10 +599,12 @@ def test_cells_at_other_positions_are_refused_before_any_row_is_placed() -> None
         with pytest.raises(lcg.UnsupportedFormatError, match="do not hold positions"):
             codec.splice(bad, state, 0, 8)
     skeleton = codec.encode_skeleton(state)
-    forged = bytes(reseal(moved(skeleton, 50_000_000)))
-    for n_pos in (20, 10):
-        with pytest.raises(lcg.CorruptDataError, match="skeleton whose state cannot be cut"):
-            codec.skeleton_state(forged, n_pos)
+    unparsable = bytearray(skeleton)  # cell 5 in 300 sequences: no state llama.cpp writes
+    struct.pack_into("<I", unparsable, skeleton.index(cell5) + 4, 300)
+    for forged in (bytes(reseal(moved(skeleton, 50_000_000))), bytes(reseal(unparsable))):
+        for n_pos in (20, 10):
+            with pytest.raises(lcg.CorruptDataError, match="skeleton whose state cannot be cut"):
+                codec.skeleton_state(forged, n_pos)
     for call in (lcg.decode, lcg.decoded_size):
         with pytest.raises(lcg.InvalidArgumentError, match="holds no K/V"):
             call(skeleton)

@@ -340,6 +340,12 @@ def test_a_prefix_lookup_without_a_size_finds_chunks_of_any_size(
     # the longest chain wins where several sizes hold the prefix
     chunks.save_chunked(llm, tmp_path / "prompts" / "ctx", levels=("lossless",), chunk_tokens=32)
     assert chunks.longest_prefix(tmp_path / "prompts", llm, tokens["a"]).positions == 230
+    # a partial chunk at the default size (a short save) does not hide a longer chain at another
+    first = _llama(n_ctx=512)
+    first.eval(tokens["a"][:100])
+    chunks.save_chunked(first, tmp_path / "mixed" / "short", levels=("lossless",))
+    chunks.save_chunked(llm, tmp_path / "mixed" / "long", levels=("lossless",), chunk_tokens=64)
+    assert chunks.longest_prefix(tmp_path / "mixed", llm, tokens["a"] + [13]).positions == 230
     # a save shorter than its chunk size: one partial chunk, found by the tokens it holds
     short = tokens["a"][:81]
     writer = _llama(n_ctx=512)

@@ -338,3 +338,26 @@ def test_a_hybrid_streamed_over_a_slow_link_loads_exactly(
     assert report.text_chunks == list(range(k))
     assert all(r.level == "lossless" for r in report.records[k:])
     np.testing.assert_array_equal(continuation(llm, N), reference["all"])
+
+
+def test_a_large_recurrent_state_loads_whole_and_as_a_prefix_of_itself(tmp_path: Path) -> None:
+    """A Falcon-H1 of 1.5B-Deep's proportions (SSM inner 2.4 x n_embd, state size 256), scaled
+    down: its recurrent state (16 MB) outweighs 200 tokens of K/V. The bound a skeleton is read
+    under took it for a planted object (and removed it) until it counted such states."""
+    path = write_falcon_h1(
+        tmp_path / "falcon-h1-deep.gguf", n_embd=320, n_layer=20, d_inner=768, d_state=256, ssm_heads=24
+    )
+    source = make(path, n_ctx=512)
+    source.eval(TOKENS[:200])
+    url = f"file://{tmp_path}/ctx"
+    chunks.save_chunked(source, url, levels=("lossless",), chunk_tokens=C)
+    (skeleton,) = (tmp_path / chunks.PREFIX / "skeletons").iterdir()
+    assert skeleton.stat().st_size > 15 << 20
+    for load in (
+        lambda llm: chunks.load_chunked(llm, url),
+        lambda llm: chunks.load_prefix(llm, f"file://{tmp_path}", TOKENS[:200], chunk_tokens=C),
+    ):
+        llm = make(path, n_ctx=512)
+        assert load(llm).tokens == 200
+        assert capture_state(llm, None) == capture_state(source, None)
+    assert skeleton.exists()

@@ -533,12 +533,23 @@ def write_granitehybrid(
 
 
 def write_falcon_h1(
-    path: Path, *, n_embd: int = 64, n_head: int = 4, n_kv: int = 2, n_layer: int = 3, n_ff: int = 128
+    path: Path,
+    *,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_kv: int = 2,
+    n_layer: int = 3,
+    n_ff: int = 128,
+    d_inner: int | None = None,
+    d_state: int = 16,
+    ssm_heads: int = 8,
 ) -> Path:
     """Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side, so every layer has
     both K/V rows and a recurrent state (the KV cache and the recurrent tail span the same layers);
-    K/V heads of 16 with n_embd / n_head = 16."""
-    d_state, d_conv, ssm_heads, n_group = 16, 4, 8, 1
+    K/V heads of 16 with n_embd / n_head = 16. The real models' SSM state is large: 1.5B-Deep's
+    d_inner is 2.4 x n_embd at d_state 256 (its recurrent state outweighs 200 tokens of K/V)."""
+    d_conv, n_group = 4, 1
+    d_inner = d_inner or 2 * n_embd
     head = n_embd // n_head
     w, t = _begin(path, "falcon-h1", n_embd, n_layer)
     w.add_feed_forward_length(n_ff)
@@ -548,12 +559,12 @@ def write_falcon_h1(
     w.add_value_length(head)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    _ssm2_sizes(w, 2 * n_embd, d_state, d_conv, ssm_heads, n_group)
+    _ssm2_sizes(w, d_inner, d_state, d_conv, ssm_heads, n_group)
     t.random("output.weight", n_embd, N_VOCAB)
     for i in range(n_layer):
         t.ones(f"blk.{i}.attn_norm.weight", n_embd)
         _attn(t, i, n_embd, n_head, n_kv, head)
-        _mamba2(t, i, n_embd, d_state, d_conv, ssm_heads, n_group)
+        _mamba2(t, i, n_embd, d_state, d_conv, ssm_heads, n_group, d_inner=d_inner)
         t.ones(f"blk.{i}.ffn_norm", n_embd)  # llama.cpp asks for no ".weight" here
         t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
         t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)

@@ -470,9 +470,10 @@ namespace {
 // otherwise was forged or damaged past its checksums (chunks decoded into it would be mapped by
 // those positions).
 ParsedState parse_skeleton_state(const uint8_t * state, size_t size, const ContainerView & c) {
-    ParsedState st = parse_state(state, size, c.header.state_kind);
+    ParsedState st;
     uint32_t n = 0;
     try {
+        st = parse_state(state, size, c.header.state_kind);
         n = chunkable_positions(st);
     } catch (const Error & e) {
         fail(LCG_ERR_CORRUPT, "a skeleton whose state cannot be cut into chunks: %s", e.what());

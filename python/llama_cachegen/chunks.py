@@ -652,16 +652,12 @@ class _ChunkReader:
 
     def get_verified(self, key: str, object_id: str, what: str, max_size: int) -> bytes:
         """A content-addressed object whose sha256 must be its id, read no further than `max_size`
-        bytes; one damaged where it is stored is discarded (`discard_damaged`). Kept, damaged
+        bytes (past it, LimitExceededError); one damaged where it is stored is discarded
+        (`discard_damaged`). Kept, damaged
         statistics failed every load of the chunks naming them for good: saving the same state
         again makes statistics of the same id, which a save skips as present (a prompt cache missed
         and wrote those chunks again at every completion)."""
-        try:
-            data = self.store.get(key, max_size=max_size)
-        except LimitExceededError:  # no such object is that large: removed, as a damaged one is
-            with contextlib.suppress(CacheGenError):
-                self.store.delete(key)
-            raise
+        data = self.store.get(key, max_size=max_size)
         self._count(len(data))
         if _sha256(data) != object_id:
             raise self.discard_damaged(CorruptDataError(f"{what} {key!r} does not hash to its id"), key, data)
@@ -763,6 +759,10 @@ class _ChunkReader:
                 try:
                     stats_key, bound = _stats_key(meta.stats_id), _stats_bound(self.fingerprint)
                     data = self.get_verified(stats_key, meta.stats_id, "statistics", bound)
+                except LimitExceededError:  # no statistics are that large: removed, as damaged ones
+                    with contextlib.suppress(CacheGenError):
+                        self.store.delete(stats_key)
+                    raise
                 except EntryNotFoundError:
                     missing = _stats_key(meta.stats_id)
                     orphaned |= self.discard_orphan(_chunk_key(self.keys[i], level), chunk, missing)
@@ -819,11 +819,11 @@ def chunk_bound(fingerprint: dict[str, Any], chunk_tokens: int) -> int:
 
 
 def _skeleton_bound(fingerprint: dict[str, Any], n_pos: int) -> int:
-    """The most a skeleton of n_pos positions can hold (everything of a state but its K/V rows):
-    cell records, an output row (logits and embedding) per position at most, and a recurrent
-    state of 32 cells' worth."""
-    n_vocab, n_embd = int(fingerprint.get("n_vocab") or 0), int(fingerprint.get("n_embd") or 0)
-    return (1 << 20) + n_pos * (256 + 4 * (n_vocab + n_embd)) + 32 * _cell_bound(fingerprint)
+    """The most a skeleton can hold (a state but its K/V rows; llama.cpp writes no logits in one):
+    the records of its cells (24 bytes at most for a cell of one sequence, in each of two caches)
+    for up to 2^20 positions or n_pos, and a recurrent state (a Mamba-2 layer's of state size 256
+    is 32 cells' worth). A prefix load's skeleton is the saver's, of as many positions as it had."""
+    return (1 << 20) + 64 * max(n_pos, 1 << 20) + 128 * _cell_bound(fingerprint)
 
 
 def _stats_bound(fingerprint: dict[str, Any]) -> int:
@@ -833,8 +833,10 @@ def _stats_bound(fingerprint: dict[str, Any]) -> int:
 
 
 def whole_bound(fingerprint: dict[str, Any], n_pos: int) -> int:
-    """The most a container of n_pos positions (or a manifest of that many tokens) can hold."""
-    return _skeleton_bound(fingerprint, n_pos) + n_pos * _cell_bound(fingerprint) + _MAX_MANIFEST_HEADER
+    """The most a container of n_pos positions, or a manifest of that many tokens, can hold: a
+    skeleton, the K/V, and the envelope (tokens, the last logits, a header)."""
+    envelope_bound = 4 * n_pos + 4 * int(fingerprint.get("n_vocab") or 0) + _MAX_MANIFEST_HEADER
+    return _skeleton_bound(fingerprint, n_pos) + n_pos * _cell_bound(fingerprint) + envelope_bound
 
 
 def _state_bound(fingerprint: dict[str, Any], n_pos: int, skeleton: bytes) -> int:
@@ -1052,7 +1054,8 @@ def _load_whole(
     for name in _candidates(m.wholes, level, 0):
         whole_id, _ = m.wholes[name]
         try:
-            blob = store.get(_whole_key(whole_id), whole_bound(m.meta.fingerprint, int(m.meta.tokens.size)))
+            # the context's size, not the tokens' (a save may name few or none of them)
+            blob = store.get(_whole_key(whole_id), whole_bound(m.meta.fingerprint, llm.n_ctx()))
         except EntryNotFoundError:
             continue
         if _sha256(blob) != whole_id:
@@ -1145,13 +1148,19 @@ def _tail(
     query's chunk there: a save's last chunk is as long as its tokens ran, and its key covers only
     those, so a query that extends a saved context (its follow-up question) matched up to the last
     whole chunk and computed the rest of the save again (a 200-token save at 256-token chunks: all
-    of it). Every length is asked in one exists_many."""
+    of it). Every length is asked in one exists_many, at the levels of the chunk before (a save
+    writes every chunk at its levels), on a store that answers many keys at once or a local one:
+    elsewhere (HTTP without a token: a HEAD per key) up to 1,020 requests would cost more than the
+    tokens they save."""
+    if not (store.bulk_exists or store.local):
+        return
     c, begin = match.chunk_tokens, match.chunks * match.chunk_tokens
     span = min(c, int(tokens.size) - begin)  # the query's chunk there, already asked
     prev = bytes.fromhex(match.keys[-1]) if match.keys else root_key(fingerprint, c)
+    levels = match.levels[-1] if match.levels else probe
     keys = [next_key(prev, tokens[begin : begin + n]).hex() for n in range(1, span)]
-    flags = iter(store.exists_many([_chunk_key(key, lv) for key in keys for lv in probe]) if keys else [])
-    found = [tuple(lv for lv in probe if next(flags)) for _ in keys]
+    flags = iter(store.exists_many([_chunk_key(key, lv) for key in keys for lv in levels]) if keys else [])
+    found = [tuple(lv for lv in levels if next(flags)) for _ in keys]
     for n in range(len(keys), 0, -1):
         if found[n - 1]:
             match.chunks += 1
@@ -1176,7 +1185,7 @@ def _match_sized(
     if chunk_tokens is not None:
         return _match(store, fingerprint, tokens, chunk_tokens, probe, tail=True)
     match = _match(store, fingerprint, tokens, DEFAULT_CHUNK_TOKENS, probe, tail=True)
-    if match.chunks:
+    if match.positions >= min(DEFAULT_CHUNK_TOKENS, int(tokens.size)):  # a whole chunk, or all the tokens
         return match
     sizes = [c for c in PROBED_CHUNK_TOKENS if c != DEFAULT_CHUNK_TOKENS]
     # a size past the tokens: one partial chunk of them all (a save as short as they are)

@@ -365,7 +365,7 @@ class Sharing:
         start = time.perf_counter()
         store = self._store()
         limit = min(int(tokens.size), self.n_ctx)
-        match = chunks._match(store, self.fingerprint, tokens[:limit], self.chunk_tokens, tail=True)
+        match = chunks._match(store, self.fingerprint, tokens[:limit], self.chunk_tokens)
         if match.positions <= held:
             return Loaded(None, match.positions, match.chunks)
         level = self.choose_level(match.levels, match.positions)

@@ -227,12 +227,12 @@ int check_destination(const Plan & p, char * msg, size_t msg_size) {
                       device);
         return LCG_ERR_INVALID_ARGUMENT;
     }
-    if (at.type == cudaMemoryTypeUnregistered) {
+    if (at.type == cudaMemoryTypeUnregistered || at.devicePointer != p.dst) {
         std::snprintf(msg, msg_size, "the destination %p is not device memory (pageable host memory?)",
                       static_cast<void *>(p.dst));
         return LCG_ERR_INVALID_ARGUMENT;
     }
-    return LCG_OK;  // this device's, managed, or pinned host memory (mapped: kernels reach it)
+    return LCG_OK;  // this device's, managed, or pinned host memory mapped at the same address
 }
 
 int decode(Plan * plan, void * stream_ptr, uint32_t * status, char * msg, size_t msg_size) {

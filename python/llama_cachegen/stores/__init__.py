@@ -118,6 +118,7 @@ class Store(ABC):
     url: str
     auth_key: bytes | None = None
     bulk_exists = False  # exists_many asks in one round trip (else key by key)
+    local = False  # keys are looked up without a network (a directory): many cost little
 
     def __init__(self, *, auth_key: AuthKey = None) -> None:
         self.auth_key = resolve_key(auth_key)

@@ -172,6 +172,8 @@ def read_path(path: Path) -> bytes:
 
 
 class FileStore(Store):
+    local = True
+
     def __init__(self, url: str | Path, *, auth_key: AuthKey = None) -> None:
         super().__init__(auth_key=auth_key)
         self.root = path_of(url)
