@@ -280,6 +280,15 @@ def check_bad_input_never_faults() -> None:
     assert status == lib.LCG_ERR_DST_TOO_SMALL
 
 
+def _chunk_parts(state: bytes) -> tuple[bytearray, codec.Stats, bytes]:
+    """The skeleton's state of a 37-position state, its balanced statistics, and its one chunk."""
+    chunker = codec.Chunker(state, "balanced")
+    stats = chunker.stats()
+    sid = hashlib.sha256(stats).digest()
+    host = codec.skeleton_state(codec.encode_skeleton(state), 37)
+    return host, codec.Stats(stats, sid), chunker.chunk(0, 37, sid)
+
+
 class _Foreign:
     """Device memory as another library shows it: `__cuda_array_interface__` over a DeviceBuffer."""
 
@@ -337,12 +346,7 @@ def check_device_targets_are_checked() -> None:
     with pytest.raises(lcg.InvalidArgumentError, match="contiguous"):
         buf.copy_from(np.zeros(2 * size, np.uint8)[::2])
     # decode_chunk's device_state: the same checks
-    skeleton = codec.encode_skeleton(state)
-    chunker = codec.Chunker(state, "balanced")
-    stats = chunker.stats()
-    opened = codec.Stats(stats, hashlib.sha256(stats).digest())
-    chunk = chunker.chunk(0, 37, hashlib.sha256(stats).digest())
-    host = codec.skeleton_state(skeleton, 37)
+    host, opened, chunk = _chunk_parts(state)
     with pytest.raises(lcg.InvalidArgumentError):
         codec.decode_chunk(chunk, opened, host, device_state=_Foreign(buf, data=(buf.ptr, True)))
     dev = lcg.DeviceBuffer(len(host))
@@ -376,12 +380,7 @@ def check_host_memory_is_refused() -> None:
     host = np.zeros(len(expected), np.uint8)
     with pytest.raises(lcg.InvalidArgumentError, match="not device memory"):
         lcg.decode_into(blob, _HostArray(host))
-    skeleton = codec.encode_skeleton(state)
-    chunker = codec.Chunker(state, "balanced")
-    stats = chunker.stats()
-    opened = codec.Stats(stats, hashlib.sha256(stats).digest())
-    chunk = chunker.chunk(0, 37, hashlib.sha256(stats).digest())
-    skeleton_state = codec.skeleton_state(skeleton, 37)
+    skeleton_state, opened, chunk = _chunk_parts(state)
     target = np.frombuffer(bytes(skeleton_state), np.uint8).copy()
     with pytest.raises(lcg.InvalidArgumentError, match="not device memory"):
         codec.decode_chunk(chunk, opened, skeleton_state, device_state=_HostArray(target))

@@ -77,8 +77,10 @@ def _begin(
     return w, t
 
 
-def _ffn(t: _Weights, i: int, n_embd: int, n_ff: int) -> None:
-    t.ones(f"blk.{i}.ffn_norm.weight", n_embd)
+def _ffn(t: _Weights, i: int, n_embd: int, n_ff: int, norm: str | None = "ffn_norm.weight") -> None:
+    """A gated FFN, after its norm (`norm`: its tensor name in the block; None: without one)."""
+    if norm is not None:
+        t.ones(f"blk.{i}.{norm}", n_embd)
     t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
     t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
     t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
@@ -565,10 +567,7 @@ def write_falcon_h1(
         t.ones(f"blk.{i}.attn_norm.weight", n_embd)
         _attn(t, i, n_embd, n_head, n_kv, head)
         _mamba2(t, i, n_embd, d_state, d_conv, ssm_heads, n_group, d_inner=d_inner)
-        t.ones(f"blk.{i}.ffn_norm", n_embd)  # llama.cpp asks for no ".weight" here
-        t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
-        t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
-        t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
+        _ffn(t, i, n_embd, n_ff, norm="ffn_norm")  # llama.cpp asks for no ".weight" here
     _finish(w)
     return path
 
@@ -592,9 +591,7 @@ def write_cohere2(
     for i in range(n_layer):
         t.ones(f"blk.{i}.attn_norm.weight", n_embd)
         _attn(t, i, n_embd, n_head, n_kv, head)
-        t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
-        t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
-        t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
+        _ffn(t, i, n_embd, n_ff, norm=None)  # parallel to attention, after the same norm
     _finish(w)
     return path
 
@@ -620,8 +617,8 @@ def write_llama4(
     for i in range(n_layer):
         t.ones(f"blk.{i}.attn_norm.weight", n_embd)
         _attn(t, i, n_embd, n_head, n_kv, head)
-        t.ones(f"blk.{i}.ffn_norm.weight", n_embd)
         if (i + 1) % 2 == 0:
+            t.ones(f"blk.{i}.ffn_norm.weight", n_embd)
             t.random(f"blk.{i}.ffn_gate_inp.weight", n_embd, n_expert)
             for name in ("gate", "up"):
                 t.random(f"blk.{i}.ffn_{name}_exps.weight", n_embd, n_ff, n_expert)
@@ -629,9 +626,7 @@ def write_llama4(
             t.random(f"blk.{i}.ffn_down_exps.weight", n_ff, n_embd, n_expert)
             t.random(f"blk.{i}.ffn_down_shexp.weight", n_ff, n_embd)
         else:
-            t.random(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
-            t.random(f"blk.{i}.ffn_down.weight", n_ff, n_embd)
-            t.random(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
+            _ffn(t, i, n_embd, n_ff)
     _finish(w)
     return path
 
