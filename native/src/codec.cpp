@@ -487,10 +487,10 @@ ParsedState parse_skeleton_state(const uint8_t * state, size_t size, const Conta
 
 size_t skeleton_state(const uint8_t * data, size_t size, uint32_t n_pos, uint8_t * dst, size_t dst_capacity) {
     const ContainerView c = read_part(data, size, LCG_PART_SKELETON, "a skeleton");
-    if (n_pos == c.header.pos_end && n_pos > 0 && dst == nullptr) {
-        return decoded_size(data, size, LCG_PART_SKELETON);
-    }
     if (n_pos == c.header.pos_end && n_pos > 0) {  // all its positions: the skeleton decodes in place
+        if (dst == nullptr) {
+            return decoded_size(data, size, LCG_PART_SKELETON);
+        }
         const size_t n = decode_whole(data, size, LCG_PART_SKELETON, 1, dst, dst_capacity);
         parse_skeleton_state(dst, n, c);
         return n;
@@ -515,9 +515,9 @@ std::unique_ptr<Chunker> chunker_init(const uint8_t * state, size_t size, const 
     ch->opt = opt;
     ch->st = parse_state(state, size, opt.state_kind);
     check_error_weights(ch->st, opt);
-    ch->n_pos = chunkable_positions(ch->st);
+    ch->cell_of_pos = cell_of_position(ch->st);  // refuses a state that is not chunkable
+    ch->n_pos = static_cast<uint32_t>(ch->cell_of_pos[0].size());
     ch->is_sink = sink_flags(ch->st, opt);
-    ch->cell_of_pos = cell_of_position(ch->st);
     if (opt.level != LCG_LEVEL_LOSSLESS && opt.knobs.anchor_tokens) {  // anchors are cells i % N == 0
         for (const std::vector<uint32_t> & cells : ch->cell_of_pos) {
             for (uint32_t p = 0; p < cells.size(); p++) {
@@ -630,7 +630,7 @@ void plan_chunk(const uint8_t * chunk, size_t chunk_size, const Stats & stats, c
               LCG_ERR_CORRUPT, "the chunk was coded with other statistics than the ones given");
     LCG_CHECK(c.header.level == stats.level, LCG_ERR_CORRUPT, "chunk of level %d with statistics of level %d",
               c.header.level, stats.level);
-    const uint32_t n_pos = chunkable_positions(st);
+    const uint32_t n_pos = static_cast<uint32_t>(cell_of_pos[0].size());  // (st checked chunkable there)
     const uint32_t p0 = c.header.pos_begin, p1 = c.header.pos_end;
     LCG_CHECK(p0 < p1 && p1 <= n_pos, LCG_ERR_INVALID_ARGUMENT,
               "chunk of positions %u..%u does not fit a state of %u positions", p0, p1, n_pos);
@@ -694,12 +694,13 @@ void splice(uint8_t * state, size_t state_size, const uint8_t * src, size_t src_
             uint32_t pos_end) {
     const ParsedState dst_st = parse_state(state, state_size, LCG_KIND_AUTO);
     const ParsedState src_st = parse_state(src, src_size, LCG_KIND_AUTO);
-    const uint32_t n_dst = chunkable_positions(dst_st);
+    const auto dst_cells = cell_of_position(dst_st);  // refuses a state that is not chunkable
+    const uint32_t n_dst = static_cast<uint32_t>(dst_cells[0].size());
     LCG_CHECK(pos_begin < pos_end && pos_end <= n_dst, LCG_ERR_INVALID_ARGUMENT,
               "positions %u..%u: the state holds %u", pos_begin, pos_end, n_dst);
     LCG_CHECK(dst_st.tensors.size() == src_st.tensors.size(), LCG_ERR_UNSUPPORTED_FORMAT,
               "source of %zu tensors for a state of %zu", src_st.tensors.size(), dst_st.tensors.size());
-    const auto dst_rows = rows_of(cell_of_position(dst_st), pos_begin, pos_end);
+    const auto dst_rows = rows_of(dst_cells, pos_begin, pos_end);
     // the source holds the range, not necessarily the positions before it: llama.cpp's
     // sliding-window cache reuses cells of positions out of its window
     const auto src_rows = cells_of_range(src_st, pos_begin, pos_end);

@@ -650,23 +650,34 @@ class _ChunkReader:
         """The statistics objects fetched so far."""
         return list(self._stats)
 
-    def get_verified(self, key: str, object_id: str, what: str, max_size: int) -> bytes:
-        """A content-addressed object whose sha256 must be its id, read no further than `max_size`
-        bytes (past it, LimitExceededError); one damaged where it is stored is discarded
-        (`discard_damaged`). Kept, damaged
-        statistics failed every load of the chunks naming them for good: saving the same state
-        again makes statistics of the same id, which a save skips as present (a prompt cache missed
-        and wrote those chunks again at every completion)."""
-        data = self.store.get(key, max_size=max_size)
+    def verified(self, key: str, object_id: str, what: str, data: bytes) -> bytes:
+        """`data`, read from `key`: a content-addressed object whose sha256 must be its id; one
+        damaged where it is stored is discarded (`discard_damaged`). Kept, damaged statistics
+        failed every load of the chunks naming them for good: saving the same state again makes
+        statistics of the same id, which a save skips as present (a prompt cache missed and wrote
+        those chunks again at every completion)."""
         self._count(len(data))
         if _sha256(data) != object_id:
             raise self.discard_damaged(CorruptDataError(f"{what} {key!r} does not hash to its id"), key, data)
         return data
 
+    def _get_within(self, key: str, bound: int) -> bytes:
+        """The object at `key`, read no further than `bound`, which no such object passes: one
+        past it is removed, as a damaged one is (it would fail every load naming it, and a save
+        skips an object that exists)."""
+        try:
+            return self.store.get(key, max_size=bound)
+        except LimitExceededError:
+            with contextlib.suppress(CacheGenError):
+                self.store.delete(key)
+            raise
+
     def skeleton(self, skeleton_id: str) -> bytes:
-        """The skeleton `skeleton_id`, read no further than one of these tokens can hold."""
-        bound = _skeleton_bound(self.fingerprint, len(self.tokens))
-        return self.get_verified(_skeleton_key(skeleton_id), skeleton_id, "skeleton", bound)
+        """The skeleton `skeleton_id`, read no further than one of these tokens can hold (a
+        heuristic bound: one past it is refused, not removed)."""
+        key = _skeleton_key(skeleton_id)
+        data = self.store.get(key, max_size=_skeleton_bound(self.fingerprint, len(self.tokens)))
+        return self.verified(key, skeleton_id, "skeleton", data)
 
     def skeleton_state(self, skeleton_id: str, skeleton: bytes) -> np.ndarray:
         """The state of the tokens' positions with zero K/V, built from `skeleton`. One that hashes
@@ -740,13 +751,9 @@ class _ChunkReader:
         orphaned = False
         for level in self.candidates[i] if levels is None else levels:
             try:
-                chunk = self.store.get(_chunk_key(self.keys[i], level), max_size=self.chunk_bound)
+                chunk = self._get_within(_chunk_key(self.keys[i], level), self.chunk_bound)
             except EntryNotFoundError:
                 continue  # evicted since the manifest was written: the next level may be there
-            except LimitExceededError:  # no chunk is that large: removed, as a damaged one is
-                with contextlib.suppress(CacheGenError):
-                    self.store.delete(_chunk_key(self.keys[i], level))
-                raise
             self._count(len(chunk))
             try:
                 meta = self._check(i, level, chunk)
@@ -756,17 +763,13 @@ class _ChunkReader:
                 raise self.discard_damaged(exc, _chunk_key(self.keys[i], level), chunk)  # noqa: B904
             self.skeleton_ids.add(meta.skeleton_id)
             if meta.stats_id not in self._stats:
+                stats_key = _stats_key(meta.stats_id)
                 try:
-                    stats_key, bound = _stats_key(meta.stats_id), _stats_bound(self.fingerprint)
-                    data = self.get_verified(stats_key, meta.stats_id, "statistics", bound)
-                except LimitExceededError:  # no statistics are that large: removed, as damaged ones
-                    with contextlib.suppress(CacheGenError):
-                        self.store.delete(stats_key)
-                    raise
+                    stored = self._get_within(stats_key, _stats_bound(self.fingerprint))
                 except EntryNotFoundError:
-                    missing = _stats_key(meta.stats_id)
-                    orphaned |= self.discard_orphan(_chunk_key(self.keys[i], level), chunk, missing)
+                    orphaned |= self.discard_orphan(_chunk_key(self.keys[i], level), chunk, stats_key)
                     continue  # the next level may be there
+                data = self.verified(stats_key, meta.stats_id, "statistics", stored)
                 self._stats[meta.stats_id] = codec.Stats(data, bytes.fromhex(meta.stats_id))
             return _Fetched(level, chunk, meta, self._stats[meta.stats_id], time.perf_counter() - start)
         message = f"chunk {i} ({self.keys[i]}) is stored at none of the levels " + ", ".join(
@@ -821,8 +824,9 @@ def chunk_bound(fingerprint: dict[str, Any], chunk_tokens: int) -> int:
 def _skeleton_bound(fingerprint: dict[str, Any], n_pos: int) -> int:
     """The most a skeleton can hold (a state but its K/V rows; llama.cpp writes no logits in one):
     the records of its cells (24 bytes at most for a cell of one sequence, in each of two caches)
-    for up to 2^20 positions or n_pos, and a recurrent state (a Mamba-2 layer's of state size 256
-    is 32 cells' worth). A prefix load's skeleton is the saver's, of as many positions as it had."""
+    for up to 2^20 positions or n_pos, and a recurrent state of 128 cells' worth (a Mamba-2 layer's
+    of state size 256 is 32; wider SSMs more). A prefix load's skeleton is the saver's, of as many
+    positions as it had."""
     return (1 << 20) + 64 * max(n_pos, 1 << 20) + 128 * _cell_bound(fingerprint)
 
 
@@ -1106,16 +1110,13 @@ def _match(
     tokens: np.ndarray,
     chunk_tokens: int,
     probe: Sequence[str] = codec.LEVEL_ORDER,
-    *,
-    tail: bool = False,
 ) -> PrefixMatch:
     """The stored chunks that start `tokens`, each with the levels of `probe` it is stored at (a
     caller of one level asks for it alone: a prompt cache looks up at every completion). A store
     that asks many keys in one round trip (bulk_exists) is asked in rounds of 4, 16, 64, ...
     chunks: one request per key took 0.5 ms each on a local HTTP store, and a proxy asks about
     every level of every chunk of every prompt. Others are asked chunk by chunk, up to the first
-    chunk stored at none. With `tail`, then the last chunk of a save that `tokens` extend
-    (`_tail`)."""
+    chunk stored at none."""
     chain = chain_keys(fingerprint, tokens, chunk_tokens)
     keys: list[str] = []
     levels: list[tuple[str, ...]] = []
@@ -1131,35 +1132,33 @@ def _match(
             break
         size *= 4 if store.bulk_exists else 1
     positions = min(len(keys) * chunk_tokens, int(tokens.size))
-    match = PrefixMatch(chunk_tokens, len(keys), positions, keys, levels)
-    if tail and len(keys) < len(chain):
-        _tail(store, fingerprint, tokens, match, probe)
-    return match
+    return PrefixMatch(chunk_tokens, len(keys), positions, keys, levels)
 
 
-def _tail(
+def _match_to_tail(
     store: stores.Store,
     fingerprint: dict[str, Any],
     tokens: np.ndarray,
-    match: PrefixMatch,
+    chunk_tokens: int,
     probe: Sequence[str],
-) -> None:
-    """Adds to `match` the longest partial chunk stored right after its chunks, shorter than the
-    query's chunk there: a save's last chunk is as long as its tokens ran, and its key covers only
-    those, so a query that extends a saved context (its follow-up question) matched up to the last
-    whole chunk and computed the rest of the save again (a 200-token save at 256-token chunks: all
-    of it). Every length is asked in one exists_many, at the levels of the chunk before (a save
-    writes every chunk at its levels), on a store that answers many keys at once or a local one:
-    elsewhere (HTTP without a token: a HEAD per key) up to 1,020 requests would cost more than the
-    tokens they save."""
-    if not (store.bulk_exists or store.local):
-        return
-    c, begin = match.chunk_tokens, match.chunks * match.chunk_tokens
+) -> PrefixMatch:
+    """_match, then where it stops before the tokens end, the longest partial chunk stored right
+    after its chunks, shorter than the query's chunk there: a save's last chunk is as long as its
+    tokens ran, and its key covers only those, so a query that extends a saved context (its
+    follow-up question) matched up to the last whole chunk and computed the rest of the save again
+    (a 200-token save at 256-token chunks: all of it). Every length is asked in one exists_many,
+    at the levels of the chunk before (a save writes every chunk at its levels), on a store that
+    answers many keys at once or a local one: elsewhere (HTTP without a token: a HEAD per key) up
+    to 1,020 requests would cost more than the tokens they save."""
+    match = _match(store, fingerprint, tokens, chunk_tokens, probe)
+    c, begin = chunk_tokens, match.chunks * chunk_tokens
     span = min(c, int(tokens.size) - begin)  # the query's chunk there, already asked
+    if span < 2 or not (store.bulk_exists or store.local):
+        return match
     prev = bytes.fromhex(match.keys[-1]) if match.keys else root_key(fingerprint, c)
     levels = match.levels[-1] if match.levels else probe
     keys = [next_key(prev, tokens[begin : begin + n]).hex() for n in range(1, span)]
-    flags = iter(store.exists_many([_chunk_key(key, lv) for key in keys for lv in levels]) if keys else [])
+    flags = iter(store.exists_many([_chunk_key(key, lv) for key in keys for lv in levels]))
     found = [tuple(lv for lv in levels if next(flags)) for _ in keys]
     for n in range(len(keys), 0, -1):
         if found[n - 1]:
@@ -1167,7 +1166,8 @@ def _tail(
             match.positions = begin + n
             match.keys.append(keys[n - 1])
             match.levels.append(found[n - 1])
-            return
+            break
+    return match
 
 
 def _match_sized(
@@ -1177,14 +1177,14 @@ def _match_sized(
     chunk_tokens: int | None,
     probe: Sequence[str] = codec.LEVEL_ORDER,
 ) -> PrefixMatch:
-    """_match at `chunk_tokens`; None: the default size first, and where the store holds not even
+    """_match_to_tail at `chunk_tokens`; None: the default size first, and where the store holds not even
     the first chunk at it, the other sizes of PROBED_CHUNK_TOKENS: their first chunks in one request,
     then the chains of those stored, the longest taken. Chunks of the prompt cache (128 tokens) or
     of a save at another size are found without the caller knowing their size (a lookup at the
     default found none, silently); a size that is no power of two is found only when named."""
     if chunk_tokens is not None:
-        return _match(store, fingerprint, tokens, chunk_tokens, probe, tail=True)
-    match = _match(store, fingerprint, tokens, DEFAULT_CHUNK_TOKENS, probe, tail=True)
+        return _match_to_tail(store, fingerprint, tokens, chunk_tokens, probe)
+    match = _match_to_tail(store, fingerprint, tokens, DEFAULT_CHUNK_TOKENS, probe)
     if match.positions >= min(DEFAULT_CHUNK_TOKENS, int(tokens.size)):  # a whole chunk, or all the tokens
         return match
     sizes = [c for c in PROBED_CHUNK_TOKENS if c != DEFAULT_CHUNK_TOKENS]
@@ -1192,7 +1192,7 @@ def _match_sized(
     firsts = [chain_keys(fingerprint, tokens[:c], c)[0] for c in sizes]
     flags = iter(store.exists_many([_chunk_key(key, lv) for key in firsts for lv in probe]))
     for c in [c for c in sizes if any([next(flags) for _ in probe])]:
-        found = _match(store, fingerprint, tokens, c, probe, tail=True)
+        found = _match_to_tail(store, fingerprint, tokens, c, probe)
         if found.positions > match.positions:
             match = found
     return match

@@ -63,6 +63,15 @@ _READ_PIECE = 1 << 18  # the most a client's read takes at once (it counts its p
 # and a server sending a byte every 2 s held a get (a prompt cache's completion) for as long as
 # its body lasted
 _MIN_BODY_RATE = 4 << 10
+
+
+def _too_slow(began: float, timeout: float, size: int) -> bool:
+    """Whether a body begun at `began` (time.monotonic) has come, `size` bytes so far, under
+    _MIN_BODY_RATE past `timeout`: the rule a client's reads and the server's uploads share."""
+    late = time.monotonic() - began - timeout
+    return late > 0 and size < late * _MIN_BODY_RATE
+
+
 # a DELETE's condition: the entry's mtime (from a listing) it must not be past, else 412
 _UNUSED_SINCE = "X-Unused-Since"
 
@@ -285,11 +294,10 @@ class HttpStore(Store):
                 if limit is not None and size > limit:
                     response.shutdown()
                     raise self._over(key, limit)
-                late = time.monotonic() - began - self._timeout
-                if late > 0 and size < late * _MIN_BODY_RATE:
+                if _too_slow(began, self._timeout, size):
                     response.shutdown()
                     raise StoreError(
-                        f"HTTP GET {self._url(key)}: {size} bytes in {late + self._timeout:.0f} s, "
+                        f"HTTP GET {self._url(key)}: {size} bytes in {time.monotonic() - began:.0f} s, "
                         f"under {_MIN_BODY_RATE} bytes/s past the {self._timeout:g} s timeout"
                     )
             if reader.cancelled:  # shut down between two pieces: what came is not the whole body
@@ -612,8 +620,7 @@ class _Server:
                     return _closing(413, f"body over {self.max_body} bytes")
                 # a byte now and then within the timeout held a connection and a temporary for
                 # good: past the timeout, a body comes at _MIN_BODY_RATE, as the client's reads ask
-                late = time.monotonic() - began - self.body_timeout
-                if late > 0 and pending.size + len(chunk) < late * _MIN_BODY_RATE:
+                if _too_slow(began, self.body_timeout, pending.size + len(chunk)):
                     pending.abort()
                     return _closing(408, f"body under {_MIN_BODY_RATE} bytes/s past {self.body_timeout:g} s")
                 try:
