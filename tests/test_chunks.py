@@ -455,6 +455,17 @@ def test_bad_chunks_are_refused_and_leave_the_context(saved_small: dict[str, Any
     os.truncate(saved_small["url"].parent / key[2], 1 << 30)  # more than a chunk can hold: not read
     _refused(target, load, LimitExceededError, "more than")
     assert not store.exists(key[2])  # no chunk is that large: removed, or every load would read it
+    store.put(key[2], good)
+    # statistics and a skeleton planted at 1 GiB: read no further than the model's bound for them;
+    # statistics past theirs are removed, a skeleton (a heuristic bound) is refused and kept
+    stats_key = f"{PREFIX}stats/{manifest.stats['lossless']}"
+    skeleton_key = f"{PREFIX}skeletons/{manifest.skeleton}"
+    for planted, removed in ((stats_key, True), (skeleton_key, False)):
+        kept = store.get(planted)
+        os.truncate(saved_small["url"].parent / planted, 1 << 30)
+        _refused(target, load, LimitExceededError, "more than")
+        assert store.exists(planted) != removed
+        store.put(planted, kept)
     flipped = bytearray(good)
     flipped[len(flipped) * 3 // 4] ^= 0x10
     store.put(key[2], bytes(flipped))
