@@ -255,6 +255,46 @@ def test_demo_answers_the_same_from_a_second_process(tmp_path: Path) -> None:
     assert "prefill" in proc.stderr  # progress on stderr
 
 
+def test_save_then_load_answers_as_the_prefilled_context(tmp_path: Path) -> None:
+    """`save` prefills a text and stores it in chunks; `load --prompt` continues what it loaded: at
+    lossless, with the answer of a context that prefilled the text itself, the prompt evaluated alone."""
+    text = tmp_path / "doc.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    store = tmp_path / "store"
+    args = ("--text", text, "--tokens", "300", "--chunk-tokens", "128", "--threads", "2", "--json")
+    proc = _cli("save", store / "ctx", "--levels", "lossless", "balanced", *args)
+    saved = json.loads(proc.stdout)
+    assert (saved["n_tokens"], saved["chunks"], saved["chunk_tokens"], saved["fallback"]) == (
+        300,
+        3,
+        128,
+        None,
+    )
+    assert saved["objects_present"] == 0 and set(saved["level_bytes"]) == {"lossless", "balanced"}
+    again = json.loads(_cli("save", store / "ctx2", "--levels", "lossless", *args).stdout)
+    assert again["objects_present"] >= 3 and again["level_bytes"] == {}  # its chunks were there
+
+    proc = _cli(
+        "load", store / "ctx", "--level", "lossless", "--prompt", DEMO_QUESTION, "--max-tokens", "8", "--json"
+    )
+    loaded = json.loads(proc.stdout)
+    llm = smollm(n_ctx=512)
+    tokens = llm.tokenize(text.read_bytes())[:300]
+    question = llm.tokenize(DEMO_QUESTION.encode(), add_bos=False)
+    llm.eval(tokens)  # as `save` did: the prompt is evaluated on top
+    assert loaded["tokens"] == 300 and loaded["prompt_tokens_evaluated"] == len(question)
+    assert loaded["answer"] == cli._answer(llm, tokens + question, 8)[0] != ""
+
+    proc = _cli("save", store / "ctx3", "--text", text, "--n-ctx", "64", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "tokens do not fit --n-ctx 64: give a larger --n-ctx or fewer --tokens" in proc.stderr
+    proc = _cli("save", store / "ctx3", "--text", tmp_path / "missing.txt", check=False)
+    assert (
+        proc.returncode == 1 and "No such file or directory" in proc.stderr and "Traceback" not in proc.stderr
+    )
+    assert not (store / "ctx3").exists()
+
+
 def test_eval_reports_quality_per_level_and_llama_cpp_types() -> None:
     proc = _cli(
         "eval",

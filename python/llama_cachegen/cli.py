@@ -1,9 +1,10 @@
-"""`llama-cachegen`: demo, compress, decompress, inspect, eval, serve, load, llama-server, proxy."""
+"""`llama-cachegen`: demo, compress, decompress, inspect, eval, serve, save, load, llama-server, proxy."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -56,6 +57,8 @@ def _text(name_or_path: str) -> str:
     if name_or_path in TEXTS:
         return sample_text(name_or_path)
     try:
+        if name_or_path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
         return Path(name_or_path).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidArgumentError(
@@ -680,7 +683,76 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- load (adaptive streaming) ----------------------------------------------------------------
+# --- save / load (chunked contexts, adaptive streaming) ------------------------------------------
+
+
+def _tokenize(model: str, text: str) -> list[int]:
+    """`text`'s token ids as Llama.tokenize gives them (BOS first), from the model's vocabulary
+    alone: the context is then sized to them."""
+    import llama_cpp
+    from llama_cpp import _internals
+
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    vocab = _open_model(
+        lambda path: _internals.LlamaModel(path_model=path, params=params, verbose=False), model
+    )
+    try:
+        return vocab.tokenize(text.encode(), add_bos=True, special=False)
+    finally:
+        vocab.close()
+
+
+def _save(args: argparse.Namespace) -> int:
+    """Prefills a text and saves the context in chunks under a manifest URL (what `load` and
+    `load_prefix` read): a progress line while it prefills, then what went into the store."""
+    import llama_cpp
+
+    from .chunks import DEFAULT_LEVELS, save_chunked
+
+    model = _model(args.model)
+    tokens = _tokenize(model, _text(args.text))[: args.tokens]
+    if args.n_ctx is not None and len(tokens) > args.n_ctx:
+        raise InvalidArgumentError(
+            f"{len(tokens)} tokens do not fit --n-ctx {args.n_ctx}: give a larger --n-ctx or fewer --tokens"
+        )
+    llm = _open_llama(
+        model,
+        args.n_ctx or max(len(tokens), 1),
+        args.threads,
+        flash_attn=args.flash_attn,
+        type_k=GGML_TYPES[args.cache_type_k],
+        type_v=GGML_TYPES[args.cache_type_v],
+    )
+    prefill_s = _prefill(llm, tokens)
+    levels = args.levels or DEFAULT_LEVELS
+    report = save_chunked(llm, args.url, levels=levels, chunk_tokens=args.chunk_tokens, threads=args.threads)
+    state_bytes = int(llama_cpp.llama_state_get_size(llm.ctx))
+    if args.json:
+        print(
+            json.dumps(
+                {**dataclasses.asdict(report), "prefill_s": prefill_s, "state_bytes": state_bytes}, indent=2
+            )
+        )
+        return 0
+    how = f"{report.chunks} chunks of {report.chunk_tokens} tokens" if report.chunk_tokens else "whole"
+    rows = [
+        ("tokens", f"{report.n_tokens} (prefilled in {prefill_s:.2f} s)"),
+        ("state", f"{_size(state_bytes)}, saved {how}"),
+    ]
+    for level in levels:
+        n = report.level_bytes.get(level, 0)  # none: every chunk of the level was stored before
+        # a ratio only where the store had nothing of the context: level_bytes leaves out what it had
+        whole = n and report.objects_present == 0
+        rows.append((level, f"{_size(n)} written" + (f" ({state_bytes / n:.2f}x)" if whole else "")))
+    rows += [
+        ("objects", f"{report.objects_written} written, {report.objects_present} stored before"),
+        ("manifest", report.url),
+    ]
+    print(_table(rows))
+    if report.fallback:
+        print(f"\nsaved whole: {report.fallback}")
+    return 0
 
 
 def _context_params(fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -725,7 +797,8 @@ def _load(args: argparse.Namespace) -> int:
                 f"{redact(args.url)} holds {n_tokens} tokens, more than {model}'s training context "
                 f"({n_ctx_train}); give --n-ctx to load it anyway"
             )
-        n_ctx = n_ctx or n_tokens + 256
+        # room for the question and its answer (a token is at least a byte of the prompt)
+        n_ctx = n_ctx or n_tokens + 256 + (len(args.prompt.encode()) + args.max_tokens if args.prompt else 0)
         saved = m.meta.fingerprint
     else:  # a whole container: its envelope, when it has one (else the load says what it is)
         try:
@@ -767,6 +840,17 @@ def _load(args: argparse.Namespace) -> int:
     report.total_ms += manifest_s * 1e3
     report.slo_s = args.slo
     result = report.to_dict()
+    if args.prompt:
+        context = llm.input_ids[: llm.n_tokens].tolist()
+        question = llm.tokenize(args.prompt.encode(), add_bos=False)
+        if len(context) + len(question) >= llm.n_ctx():
+            raise InvalidArgumentError(
+                f"{len(context)} context tokens and the {len(question)}-token prompt do not fit "
+                f"--n-ctx {llm.n_ctx()}: give a larger --n-ctx"
+            )
+        result["answer"], result["prompt_tokens_evaluated"] = _answer(
+            llm, context + question, args.max_tokens
+        )
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -802,6 +886,11 @@ def _load(args: argparse.Namespace) -> int:
         print(f"failure: {line}")
     if result["fallback"]:
         print(f"fallback: {result['fallback']}")
+    if args.prompt:
+        print(
+            f"\nanswer ({result['prompt_tokens_evaluated']} prompt tokens evaluated): "
+            f"{result['answer'].strip()!r}"
+        )
     return 0
 
 
@@ -982,6 +1071,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="log every request")
     p.set_defaults(func=_serve)
 
+    p = sub.add_parser("save", help="prefill a text and save the context in chunks (what load reads)")
+    p.add_argument("url", help="the context's manifest: path or store URL")
+    p.add_argument("--text", required=True, help="a text file, a bundled text, or - for standard input")
+    p.add_argument("--tokens", type=_COUNT, help="the text's first N tokens only (default: all)")
+    p.add_argument("--levels", nargs="+", choices=levels, help="levels to store (default: the lossy ones)")
+    p.add_argument("--chunk-tokens", type=_COUNT, default=256, help="tokens per chunk (default: %(default)s)")
+    p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--n-ctx", type=_COUNT, help="context size (default: the text's tokens)")
+    p.add_argument("--flash-attn", action="store_true", help="flash attention (a load then uses it too)")
+    for which in ("k", "v"):
+        p.add_argument(
+            f"--cache-type-{which}",
+            choices=list(GGML_TYPES),
+            default="f16",
+            help="KV cache type (default: %(default)s)",
+        )
+    _threads_arg(p)
+    p.add_argument("--json", action="store_true", help="print what was saved as JSON")
+    p.set_defaults(func=_save)
+
     p = sub.add_parser("load", help="stream a chunked context into llama.cpp: per chunk a level or text")
     p.add_argument("url", help="the context's manifest: path or store URL")
     p.add_argument(
@@ -998,7 +1107,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--level", choices=levels, help="one fixed level (no adaptation)")
     p.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct, fetched once)")
-    p.add_argument("--n-ctx", type=_COUNT, help="context size (default: the context's tokens + 256)")
+    p.add_argument(
+        "--n-ctx",
+        type=_COUNT,
+        help="context size (default: the context's tokens + 256, and room for --prompt)",
+    )
+    p.add_argument("--prompt", help="then continue the loaded context with this text and print the answer")
+    p.add_argument("--max-tokens", type=_COUNT, default=32, help="the answer's length (default: %(default)s)")
     _threads_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_load)
