@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +281,58 @@ def test_output_does_not_depend_on_thread_count(state_fa_off: bytes) -> None:
         one = lcg.encode(state_fa_off, level, threads=1)
         assert lcg.encode(state_fa_off, level, threads=2) == one == lcg.encode(state_fa_off, level, threads=7)
         assert lcg.decode(one, threads=1) == lcg.decode(one, threads=3)
+
+
+# An LD_PRELOAD shim: once armed, pthread_create makes `left` more threads, then fails with EAGAIN,
+# as it does at a container's pids limit or RLIMIT_NPROC.
+_REFUSE_THREADS = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+typedef int (*create_fn)(pthread_t *, const pthread_attr_t *, void * (*)(void *), void *);
+static int armed, left;
+void refuse_threads_after(int n) { left = n; __atomic_store_n(&armed, 1, __ATOMIC_SEQ_CST); }
+int pthread_create(pthread_t * t, const pthread_attr_t * a, void * (*fn)(void *), void * arg) {
+    if (__atomic_load_n(&armed, __ATOMIC_SEQ_CST) && __atomic_fetch_sub(&left, 1, __ATOMIC_SEQ_CST) <= 0) {
+        return EAGAIN;
+    }
+    return ((create_fn) dlsym(RTLD_NEXT, "pthread_create"))(t, a, fn, arg);
+}
+"""
+_ENCODE_DECODE_REFUSED = """
+import ctypes, sys
+from llama_cachegen import codec
+state = open(sys.argv[1], "rb").read()
+ref = codec.encode(state, "balanced", threads=1)
+refuse = ctypes.CDLL(None).refuse_threads_after
+for allowed in (0, 2):
+    refuse(allowed)
+    blob = codec.encode(state, "balanced", threads=8)
+    refuse(allowed)
+    out = codec.decode(blob, threads=8)
+    print(blob == ref, out == codec.decode(ref, threads=1))
+"""
+
+
+def test_threads_the_system_refuses_leave_the_work_to_the_others(state_fa_off: bytes, tmp_path: Path) -> None:
+    """A thread the system refused after others had started aborted the process (std::thread's
+    destructor on a running thread: std::terminate); the first one refused failed the call with
+    LCG_ERR_INTERNAL. The threads that started and the caller's do the work (found with a shim)."""
+    shim, state = tmp_path / "refuse.so", tmp_path / "state.bin"
+    (tmp_path / "refuse.c").write_text(_REFUSE_THREADS)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", shim, tmp_path / "refuse.c", "-ldl"], check=True)
+    state.write_bytes(state_fa_off)
+    env = {**os.environ, "LD_PRELOAD": str(shim), "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENCODE_DECODE_REFUSED, state],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True"] * 4
 
 
 def test_any_buffer_is_accepted_without_copies(state_fa_off: bytes) -> None:

@@ -435,8 +435,11 @@ size_t decode_whole_to(const uint8_t * data, size_t size, int32_t part, int32_t 
     }
     const auto stats_sec = tensor_sections(c, LCG_SECTION_STATS, L.tensors.size());
     const auto rows_sec = tensor_sections(c, LCG_SECTION_TENSOR, L.tensors.size());
-    // Cell positions (RoPE-coded keys), read from the destination's verbatim bytes when first needed.
-    std::once_flag parse_once;
+    // Cell positions (RoPE-coded keys), read from the destination's verbatim bytes when first needed
+    // (a mutex, not std::call_once: a parse that throws in several workers at once hangs call_once
+    // under ThreadSanitizer, and libstdc++'s throwing call_once has had bugs of its own).
+    std::mutex parse_mutex;
+    bool have_parsed = false;
     ParsedState parsed;
     parallel_for(L.tensors.size(), n_threads, [&](size_t i) {
         const TensorDesc & t = L.tensors[i];
@@ -449,7 +452,13 @@ size_t decode_whole_to(const uint8_t * data, size_t size, int32_t part, int32_t 
         }
         const std::vector<int32_t> * cell_pos = nullptr;
         if (dec.stats.rope.pairing && sink.host_state()) {
-            std::call_once(parse_once, [&] { parsed = parse_state(sink.host_state(), state_size, c.header.state_kind); });
+            {
+                std::lock_guard<std::mutex> lock(parse_mutex);
+                if (!have_parsed) {
+                    parsed = parse_state(sink.host_state(), state_size, c.header.state_kind);
+                    have_parsed = true;
+                }
+            }
             cell_pos = &parsed.groups.at(t.cell_group).pos;
             // the verbatim bytes are the container's to say: a cell count other than the layout's
             // read positions past the parsed ones (heap bytes leaked into the rotation)

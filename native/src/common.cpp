@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #if defined(__linux__)
@@ -320,7 +321,11 @@ void parallel_for_workers(size_t n, int n_threads, const std::function<void(size
     std::vector<std::thread> threads;
     threads.reserve(n_workers - 1);
     for (size_t t = 1; t < n_workers; t++) {
-        threads.emplace_back(work, t);
+        try {
+            threads.emplace_back(work, t);
+        } catch (const std::system_error &) {
+            break;  // no more threads (EAGAIN: a pids limit): those started and this one do the work
+        }
     }
     work(0);
     for (auto & t : threads) {
