@@ -188,6 +188,44 @@ def test_a_server_that_stops_answering_is_asked_once() -> None:
             conn.close()
 
 
+@pytest.mark.parametrize("end", ["cancel", "close"])
+def test_a_read_waiting_for_the_reply_ends_when_cancelled(end: str) -> None:
+    """cancel() and close() ended a read's body only: a request still waiting for the reply's
+    headers held its thread and socket for the whole read timeout (a streaming load against a
+    server that stopped answering left 130 fetch threads after 12 loads)."""
+    with socket.create_server(("127.0.0.1", 0)) as wedged:  # accepts, reads, never answers
+        held: list[socket.socket] = []
+        threading.Thread(target=lambda: held.append(wedged.accept()[0]), daemon=True).start()
+        store = HttpStore(f"http://127.0.0.1:{wedged.getsockname()[1]}", auth_key="", timeout=60.0)
+        errors: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                store.get("x")
+            except StoreError as exc:
+                errors.append(exc)
+
+        reading = threading.Thread(target=read, daemon=True)
+        reading.start()
+        deadline = time.monotonic() + 10.0
+        while not held:  # the request is sent: the read waits for headers that never come
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+        start = time.monotonic()
+        if end == "cancel":
+            assert reading.ident is not None and store.cancel(reading.ident)
+        else:
+            store.close()
+        reading.join(10.0)
+        assert not reading.is_alive() and time.monotonic() - start < 5.0
+        assert len(errors) == 1
+        time.sleep(0.2)
+        assert len(held) == 1  # not asked again on a fresh connection
+        for conn in held:
+            conn.close()
+
+
 def test_a_file_store_removed_under_its_writer_is_made_again(tmp_path: Path) -> None:
     """A tmp cleaner removed a running process's store folder: every later write failed until the
     process restarted (the folder was made only when the store was opened)."""
