@@ -107,6 +107,41 @@ def test_a_prefix_whose_last_chunk_names_a_lost_skeleton_loads_the_chunks_before
     assert sharing.load(tokens, 0).slot_file is None
 
 
+def test_a_capacity_evicts_the_least_recently_used_prefixes_after_uploads(tmp_path: Path) -> None:
+    """The proxy's store grew for good (a leak review: 4.4 MB per distinct 300-token prompt). With
+    `capacity_bytes` each upload ends with the chunk objects under it, the least recently used
+    (uploaded or loaded) prefix evicted first."""
+    rng = np.random.default_rng(0)
+    fingerprint = {"arch": "test", "n_layer": 2, "n_embd": 64, "type_k": "f16", "type_v": "f16"}
+    store = tmp_path / "store"
+
+    def used_bytes() -> int:
+        return sum(f.stat().st_size for f in (store / PREFIX).rglob("*") if f.is_file())
+
+    def context(first: int) -> tuple[np.ndarray, bytes]:
+        tokens = np.arange(first, first + 48, dtype=np.int32)
+        return tokens, seq_buffer_to_slot_file(
+            seq_buffer(kv_cache_bytes(rng, cells_per_stream=(48,))), tokens
+        )
+
+    a, b, c = context(100), context(200), context(300)
+    probe = Sharing(store.as_uri(), fingerprint, 256, chunk_tokens=16)
+    assert probe.upload(a[1])["evicted_bytes"] == 0  # no capacity: nothing deleted
+    one = used_bytes()
+    shutil.rmtree(store)
+    sharing = Sharing(store.as_uri(), fingerprint, 256, chunk_tokens=16, capacity_bytes=int(2.5 * one))
+    for _, slot in (a, b):
+        assert sharing.upload(slot)["evicted_bytes"] == 0
+        time.sleep(0.01)
+    assert sharing.load(a[0], 0).positions == 48  # a is now used more recently than b
+    done = sharing.upload(c[1])
+    assert done["evicted_bytes"] > 0 and used_bytes() <= 2.5 * one
+    assert sharing.load(b[0], 0).positions < 48  # the least recently used lost its tail (what went first)
+    for tokens, _ in (a, c):
+        loaded = sharing.load(tokens, 0)
+        assert loaded.positions == 48 and np.array_equal(read_slot_file(loaded.slot_file)[0], tokens)
+
+
 def test_slot_file_refusals() -> None:
     with pytest.raises(CorruptDataError):
         read_slot_file(b"ggsq")

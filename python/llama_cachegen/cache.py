@@ -507,15 +507,7 @@ class CompressedStateCache(BaseLlamaCache):
         self._evict()
 
     def _evict(self) -> None:
-        self.store.sweep()  # leftovers of dead writers go first; the rest still take space
-        objects = self.store.list(self._objects)
-        size = sum(i.size for i in self.store.temporaries(self._objects)) + sum(i.size for i in objects)
-        for info in sorted(objects, key=lambda i: i.mtime):
-            if size <= self.capacity_bytes:
-                break
-            if not self.store.delete(info.key, unused_since=info.mtime) and self.store.exists(info.key):
-                continue  # used since the listing (another process's hit or save): newer than the rest
-            size -= info.size
+        self.store.evict(self._objects, self.capacity_bytes)
 
     def clear(self) -> None:
         """Removes the cache's objects from the store (every chunk object, or a recurrent model's

@@ -1149,6 +1149,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--chunk-tokens", type=_COUNT, default=256, help="tokens per chunk (default: %(default)s)")
     p.add_argument(
+        "--capacity-bytes",
+        type=_COUNT,
+        help="after each upload, delete the store's least recently used chunk objects past this many bytes "
+        "(default: no bound; a shared store needs it on one proxy at least)",
+    )
+    p.add_argument(
         "--token-file",
         help="bearer token clients must send (default: $LLAMA_CACHEGEN_PROXY_TOKEN; without one, only a "
         "loopback --listen is accepted; an HTTP --store's token is $LLAMA_CACHEGEN_TOKEN)",

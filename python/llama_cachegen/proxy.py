@@ -287,8 +287,10 @@ class Sharing:
         slo: float | None = None,
         chunk_tokens: int = chunks.DEFAULT_CHUNK_TOKENS,
         threads: int | None = None,
+        capacity_bytes: int | None = None,
     ) -> None:
         self.store_url, self.fingerprint, self.n_ctx = store_url, fingerprint, n_ctx
+        self.capacity_bytes = capacity_bytes  # of chunk objects in the store, evicted LRU after uploads
         self.levels = chunks._check_levels(levels)
         self.load_level = load_level
         self.slo = slo
@@ -399,6 +401,10 @@ class Sharing:
                     return Loaded(None, match.positions, match.chunks)
         if codec.inspect(skeleton)["kind"] != "seq_buffer":
             raise CorruptDataError("the prefix's skeleton is not a sequence state (saved by another tool)")
+        support = [chunks._stats_key(i) for i in reader.stats_ids]
+        _mark_used(
+            store, match.keys, candidates, support + [chunks._skeleton_key(i) for i in reader.skeleton_ids]
+        )
         if figures["fetch_s"] > 0:
             self._learn("throughput", reader.bytes_read / figures["fetch_s"])
         for lv, n in figures["levels"].items():
@@ -470,14 +476,33 @@ class Sharing:
             written = sum(1 for c in manifest.chunks if c.sizes.get(level) is not None)
             if written:
                 self._learn_level(level, n / (written * self.chunk_tokens))
+        keys = [c.key for c in manifest.chunks]
+        support = [chunks._stats_key(i) for i in manifest.stats.values() if i is not None]
+        assert manifest.skeleton is not None
+        _mark_used(store, keys, [levels] * len(keys), support + [chunks._skeleton_key(manifest.skeleton)])
+        evicted = 0 if self.capacity_bytes is None else store.evict(chunks.PREFIX, self.capacity_bytes)
         return {
             "chunks": len(manifest.chunks),
             "objects_written": uploads.objects,
             "objects_present": present,
             "bytes_written": uploads.bytes,
             "level_bytes": level_bytes,
+            "evicted_bytes": evicted,
             "ms": (time.perf_counter() - start) * 1e3,
         }
+
+
+def _mark_used(
+    store: stores.Store, keys: list[str], levels: list[tuple[str, ...]], support: list[str]
+) -> None:
+    """Marks a prefix's chunks used for LRU eviction (a capacity of this proxy's or of anyone
+    sharing the store), last chunk first, then the statistics and skeletons they need: an eviction
+    takes a prefix's tail before its head, and its chunks before what they need (as the prompt
+    cache does). Best effort: a store that refuses marks still serves."""
+    chain = zip(reversed(keys), reversed(levels), strict=True)
+    used = [chunks._chunk_key(k, lv) for k, lvs in chain for lv in lvs]
+    with contextlib.suppress(OSError, CacheGenError):
+        store.mark_used(used + support)
 
 
 # ---- the HTTP proxy -----------------------------------------------------------------------------
@@ -565,6 +590,7 @@ class ProxyStats:
     uploads_unseen: int = 0  # not uploaded: the slot may hold K/V a request passed through left
     bytes_written: int = 0
     objects_written: int = 0
+    evicted_bytes: int = 0  # deleted past --capacity-bytes
     store_errors: int = 0
     pending_uploads: int = 0
 
@@ -589,6 +615,7 @@ class Proxy:
         swa_full: bool = False,
         threads: int | None = None,
         max_body: int = 64 << 20,
+        capacity_bytes: int | None = None,
     ) -> None:
         self.server = server.rstrip("/")
         self.max_body = max_body  # request bytes the proxy reads (413 beyond)
@@ -601,6 +628,7 @@ class Proxy:
             "slo": slo,
             "chunk_tokens": chunk_tokens,
             "threads": threads,
+            "capacity_bytes": capacity_bytes,
         }
         self.kv = {"type_k": type_k, "type_v": type_v, "flash_attn": flash_attn, "swa_full": swa_full}
         self.stats = ProxyStats()
@@ -1174,6 +1202,7 @@ class Proxy:
             self.stats.uploads += 1
             self.stats.bytes_written += done["bytes_written"]
             self.stats.objects_written += done["objects_written"]
+            self.stats.evicted_bytes += done.get("evicted_bytes", 0)
             if done["objects_written"]:
                 log.info(
                     "slot %d: uploaded %d objects, %.0f KB (%d chunks of %d tokens) in %.0f ms",
@@ -1283,6 +1312,7 @@ def run_proxy(args: argparse.Namespace) -> None:
         swa_full=args.swa_full,
         threads=args.threads,
         max_body=args.max_body_mb << 20,
+        capacity_bytes=args.capacity_bytes,
     )
 
     async def main() -> None:

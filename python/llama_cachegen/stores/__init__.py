@@ -205,6 +205,24 @@ class Store(ABC):
         """Removes leftovers of writers that died; returns how many (most stores leave none)."""
         return 0
 
+    def evict(self, prefix: str, capacity_bytes: int) -> int:
+        """Deletes the least recently used entries under `prefix` until they and the partial
+        writes among them take at most `capacity_bytes` (leftovers of dead writers swept first);
+        returns the bytes freed. An entry used since the listing (another process's read or
+        write meanwhile) is newer than the rest: kept."""
+        self.sweep()
+        entries = self.list(prefix)
+        size = sum(i.size for i in self.temporaries(prefix)) + sum(i.size for i in entries)
+        freed = 0
+        for info in sorted(entries, key=lambda i: i.mtime):
+            if size <= capacity_bytes:
+                break
+            if not self.delete(info.key, unused_since=info.mtime) and self.exists(info.key):
+                continue
+            size -= info.size
+            freed += info.size
+        return freed
+
     def received(self, thread_id: int) -> int | None:
         """Bytes the `get`s on thread `thread_id` have received so far, all of them together (one
         in flight included); None when this store cannot tell, or that thread has read nothing."""
