@@ -1119,8 +1119,8 @@ class Proxy:
         removed."""
         name = name or f"llama-cachegen-{self._nonce}-save-{slot_id}.bin"
         path = self.slot_dir / name
-        await self._call("POST", f"/slots/{slot_id}?action=save", {"filename": name})
-        try:
+        try:  # a call that fails after the server wrote the file (a timeout) leaves no file either
+            await self._call("POST", f"/slots/{slot_id}?action=save", {"filename": name})
             return await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
         except FileNotFoundError:
             raise InvalidArgumentError(
@@ -1254,9 +1254,14 @@ def _timings(tail: bytes) -> dict[str, float]:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):  # a full disk: no partial file left in the slot dir
+            tmp.unlink()
+        raise
 
 
 # ---- command line -------------------------------------------------------------------------------
