@@ -20,9 +20,11 @@ from conftest import DEAD_WRITER, chunk_objects, greedy, smollm
 from llama_cachegen import chunks, codec
 from llama_cachegen.cache import CompressedStateCache
 from llama_cachegen.chunks import PREFIX
-from llama_cachegen.errors import InvalidArgumentError
+from llama_cachegen.errors import InvalidArgumentError, StoreError
 from llama_cachegen.llama import load_compressed_state
 from llama_cachegen.model import sample_text
+from llama_cachegen.stores import open_store
+from llama_cachegen.stores.file import FileStore
 
 C = 16  # small chunks keep the contexts short
 
@@ -572,9 +574,6 @@ def test_a_store_that_refuses_writes_still_serves_its_hits(tmp_path: Path) -> No
     prompt set the whole store aside for 10 s, and the hit it held was a miss meanwhile."""
     import errno
 
-    from llama_cachegen.errors import StoreError
-    from llama_cachegen.stores.file import FileStore
-
     class ReadOnly(FileStore):
         def _put(self, key: str, data: bytes) -> None:
             refused = OSError(errno.EROFS, "Read-only file system")
@@ -596,8 +595,6 @@ def test_a_store_that_refuses_writes_still_serves_its_hits(tmp_path: Path) -> No
 def test_a_store_that_fails_during_a_hit_keeps_its_chunks(tmp_path: Path) -> None:
     """A read that fails on its way (a timeout, a reset) says nothing of the chunks: the hit is a
     miss and they stay (they were removed as damaged, from a store others share)."""
-    from llama_cachegen.errors import StoreError
-    from llama_cachegen.stores.file import FileStore
 
     class Flaky(FileStore):
         failing = False
@@ -623,3 +620,94 @@ def test_a_store_that_fails_during_a_hit_keeps_its_chunks(tmp_path: Path) -> Non
     cache._down_until = 0.0  # the store skipped after its failure: not any more
     llm.reset()
     assert greedy(llm, prompt, 4) == expected and cache.hits == 1
+
+
+def test_a_chunk_refused_without_being_damaged_goes_and_the_chunks_before_it_serve(
+    tmp_path: Path,
+    states: list[llama_cpp.llama.LlamaState],
+) -> None:
+    """A chunk the reader refuses but does not remove (no tag where the cache's store has a key:
+    not damaged where it is stored, so chunks.py leaves it) is dropped by the cache itself; the
+    chunks before it stay and serve."""
+    store = open_store(str(tmp_path), auth_key="cache key")
+    cache = CompressedStateCache(store, level="balanced", chunk_tokens=C, model=smollm())
+    tokens = _tokens(states[1])
+    cache[tokens] = states[1]
+    first, second = (chunks._chunk_key(k, "balanced") for k in cache._match(tokens).keys)
+    plain = open_store(str(tmp_path), auth_key="")
+    plain.put(second, plain.get(second))  # the same value, its tag dropped
+    assert cache[tokens].n_tokens == C and (cache.hits, cache.misses) == (1, 0)
+    assert not store.exists(second) and store.exists(first)
+
+
+def test_a_read_that_fails_on_its_way_removes_no_chunk(
+    tmp_path: Path,
+    states: list[llama_cpp.llama.LlamaState],
+) -> None:
+    """A store error during a hit (a timeout, a reset) is a miss that keeps the chunks, seen right
+    after the hit (through a completion, the save that follows writes removed chunks again)."""
+
+    class Flaky(FileStore):
+        failing = False
+
+        def get(self, key: str, max_size: int | None = None) -> bytes:
+            if self.failing and "/chunks/" in key:
+                raise StoreError(f"timed out reading {key!r}")
+            return super().get(key, max_size)
+
+    store = Flaky(tmp_path)
+    cache = CompressedStateCache(store, level="balanced", chunk_tokens=C, model=smollm())
+    tokens = _tokens(states[1])
+    cache[tokens] = states[1]
+    before = chunk_objects(cache)
+    assert len(before) == 2
+    store.failing = True
+    with pytest.raises(KeyError, match="not read"):
+        cache[tokens]
+    store.failing = False
+    assert chunk_objects(cache) == before and (cache.hits, cache.misses) == (0, 1)
+
+
+def test_a_prompt_cache_of_a_non_causal_context_stores_no_chunk(tmp_path: Path) -> None:
+    """A non-causal context's K/V of a prefix saw the tokens after it: the prompt cache stores no
+    chunk of it (as save_chunked saves such a state whole), and finds none."""
+
+    non_causal = smollm(attention_type=llama_cpp.LLAMA_ATTENTION_TYPE_NON_CAUSAL)
+    tokens = non_causal.tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)[: 4 * C + 3]
+    non_causal.eval(tokens)
+    cache = CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C, model=non_causal)
+    cache[tokens] = non_causal.save_state()
+    assert chunk_objects(cache) == {} and tokens not in cache
+
+
+def test_chunks_of_a_sequence_save_are_no_prompt_cache_hit(tmp_path: Path) -> None:
+    """A sequence save's chunks have the keys a prompt cache of the same size and level looks up,
+    but their skeleton is a sequence state: llama-cpp-python's load_state would take it for the
+    whole context's. The cache refuses it: a miss, its chunks dropped."""
+
+    llm = smollm()
+    tokens = llm.tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)[: 2 * C]
+    llm.eval(tokens)
+    chunks.save_chunked(llm, f"file://{tmp_path}/ctx", levels=("balanced",), chunk_tokens=C, seq_id=0)
+    cache = CompressedStateCache(tmp_path, level="balanced", chunk_tokens=C, model=smollm())
+    assert cache._match(np.asarray(tokens, np.intc)).chunks == 2  # found by their keys
+    with pytest.raises(KeyError, match="unusable"):
+        cache[tokens]
+    assert (cache.hits, cache.misses) == (0, 1) and cache._match(np.asarray(tokens, np.intc)).chunks == 0
+
+
+def test_a_cache_exactly_at_its_capacity_evicts_nothing(
+    tmp_path: Path,
+    states: list[llama_cpp.llama.LlamaState],
+) -> None:
+    """capacity_bytes is the most the cache may hold: at exactly that, nothing goes."""
+    cache = CompressedStateCache(tmp_path, level="balanced", chunk_tokens=C, model=smollm())
+    tokens = _tokens(states[1])
+    cache[tokens] = states[1]
+    size = cache.cache_size
+    cache.capacity_bytes = size
+    cache._evict()
+    assert cache.cache_size == size and cache._match(tokens).chunks == 2
+    cache.capacity_bytes = size - 1
+    cache._evict()
+    assert cache.cache_size < size

@@ -882,3 +882,42 @@ def test_a_lora_context_shares_no_chunks_with_its_model(gpl_tokens: list[int], t
     report = chunks.save_chunked(plain, tmp_path / "plain", levels=("lossless",), chunk_tokens=64)
     assert report.objects_written > 0  # none of the adapted context's chunks passed for its own
     _refused(plain, lambda: chunks.load_chunked(plain, tmp_path / "adapted"), ModelMismatchError, "lora")
+
+
+def test_a_chunk_coded_at_another_level_than_its_key_and_header_say_is_refused(
+    saved_small: dict[str, Any],
+) -> None:
+    """A chunk whose header names the level of its key (lossless) while its container is coded at
+    another (balanced; statistics that exist and hash to their id): balanced K/V would load, and be
+    recorded, as lossless. Refused by the container's own level."""
+    store, manifest, target, url = (saved_small[k] for k in ("store", "manifest", "target", "url"))
+    key = f"{PREFIX}chunks/{manifest.chunks[2].key}/lossless"
+    good = store.get(key)
+    meta = chunks.ChunkMeta.unpack(codec.user_meta(good))
+    meta.stats_id = manifest.stats["balanced"]
+    chunker = codec.Chunker(capture_state(saved_small["writer"], None), "balanced", kind="full_buffer")
+    store.put(key, chunker.chunk(meta.begin, meta.end, bytes.fromhex(meta.stats_id), meta.pack()))
+    _refused(target, lambda: chunks.load_chunked(target, url), CorruptDataError, "is coded at level balanced")
+    store.put(key, good)
+    chunks.load_chunked(target, url)
+
+
+def test_a_chunk_whose_container_holds_other_positions_than_its_header_is_refused(
+    saved_small: dict[str, Any],
+) -> None:
+    """A chunk whose header is right (key, tokens, begin/end of chunk 2) but whose container codes
+    the rows of other positions (chunk 1's, as long): decoded, they would land on chunk 1's rows
+    and leave chunk 2's zero. Refused: its container disagrees with its header."""
+    store, manifest, target, url = (saved_small[k] for k in ("store", "manifest", "target", "url"))
+    key = f"{PREFIX}chunks/{manifest.chunks[2].key}/lossless"
+    good = store.get(key)
+    meta = chunks.ChunkMeta.unpack(codec.user_meta(good))
+    n = meta.end - meta.begin
+    assert n == 64
+    chunker = codec.Chunker(capture_state(saved_small["writer"], None), "lossless", kind="full_buffer")
+    forged = chunker.chunk(meta.begin - n, meta.begin, bytes.fromhex(meta.stats_id), meta.pack())
+    store.put(key, forged)
+    _refused(target, lambda: chunks.load_chunked(target, url), CorruptDataError, "disagrees with its header")
+    store.put(key, good)
+    chunks.load_chunked(target, url)
+    assert capture_state(target, None) == capture_state(saved_small["writer"], None)

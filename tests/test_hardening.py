@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -16,13 +17,14 @@ import llama_cpp
 import numpy as np
 import pytest
 from conftest import chunk_objects, greedy, multi_seq_llama, smollm
-from llama_cachegen import chunks, codec, stream
+from llama_cachegen import chunks, codec, envelope, stream
 from llama_cachegen.cache import CompressedStateCache
 from llama_cachegen.chunks import PREFIX, root_key
 from llama_cachegen.errors import (
     AuthenticationError,
     CorruptDataError,
     InvalidArgumentError,
+    LimitExceededError,
     ModelMismatchError,
 )
 from llama_cachegen.llama import (
@@ -30,6 +32,7 @@ from llama_cachegen.llama import (
     StateMeta,
     capture_meta,
     capture_state,
+    check_fingerprint,
     fingerprint_key,
     load_compressed_state,
     model_fingerprint,
@@ -453,3 +456,109 @@ def test_a_forged_or_untagged_skeleton_cuts_the_prefix_before_the_chunk_naming_i
     assert report.tokens == 0 and fresh.n_tokens == 0
     chunks.save_chunked(llm, f"file://{keyed}/ctx", levels=("lossless",), chunk_tokens=C)  # written over
     assert chunks.load_prefix(smollm(), f"file://{keyed}", tokens, chunk_tokens=C).tokens == 40
+
+
+def test_a_header_past_its_bound_is_refused_though_the_object_holds_it() -> None:
+    """unpack bounds the JSON header by max_header before parsing, not only by the object's size
+    (a manifest or chunk header of megabytes of JSON inside a large object was parsed)."""
+    data = envelope.pack(b"LCGT", 1, {"pad": "x" * 1000})
+    size = len(data) - envelope.PREFIX.size
+    header, offset = envelope.unpack(data, b"LCGT", 1, size, "test object")
+    assert header == {"pad": "x" * 1000} and offset == len(data)
+    with pytest.raises(CorruptDataError, match="overruns"):
+        envelope.unpack(data, b"LCGT", 1, size - 1, "test object")
+    with pytest.raises(CorruptDataError, match="overruns"):
+        envelope.unpack(data[:-1], b"LCGT", 1, size, "test object")
+
+
+def test_a_manifest_naming_too_few_or_too_many_chunks_is_refused_when_read() -> None:
+    """Manifest.unpack checks that it names one chunk per chunk_tokens of its tokens: a manifest
+    read alone (read_manifest, `info`) is checked as a load checks it."""
+
+    meta = StateMeta({"arch": "llama"}, "all", None, 64, np.arange(40, dtype=np.intc))
+    for n, ok in ((3, True), (2, False), (4, False)):  # 40 tokens at 16: 3 chunks
+        manifest = chunks.Manifest(
+            meta,
+            16,
+            "a" * 64,
+            {"lossless": "b" * 64},
+            [chunks.ChunkEntry(f"{i:064x}", {"lossless": 10}) for i in range(n)],
+        )
+        if ok:
+            assert len(chunks.Manifest.unpack(manifest.pack()).chunks) == 3
+        else:
+            with pytest.raises(CorruptDataError, match="chunk count"):
+                chunks.Manifest.unpack(manifest.pack())
+
+
+def test_contexts_differing_only_in_the_v_cache_type_share_no_key() -> None:
+    """type_v is a field of its own: a q8_0 V cache beside an f16 one (the same K type, flash
+    attention both) is another fingerprint, another key space, and a refused load."""
+    f16 = model_fingerprint(smollm(flash_attn=True))
+    q8 = model_fingerprint(smollm(flash_attn=True, type_v=llama_cpp.GGML_TYPE_Q8_0))
+    assert f16["type_k"] == q8["type_k"] and f16["type_v"] != q8["type_v"]
+    assert fingerprint_key(f16) != fingerprint_key(q8) and chunks.root_key(f16, 16) != chunks.root_key(q8, 16)
+    with pytest.raises(ModelMismatchError, match="type_v"):
+        check_fingerprint(q8, f16)
+
+
+def _saved_whole(tmp_path: Path, n: int) -> tuple[str, Path]:
+    """A non-causal context of n tokens saved by save_chunked: whole, under a manifest."""
+    llm = smollm(attention_type=llama_cpp.LLAMA_ATTENTION_TYPE_NON_CAUSAL)
+    llm.eval(llm.tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)[:n])
+    url = f"file://{tmp_path}/ctx{n}"
+    assert chunks.save_chunked(llm, url, levels=("lossless",), chunk_tokens=16).chunk_tokens is None
+    return url, tmp_path / f"ctx{n}"
+
+
+def test_a_whole_container_swapped_for_another_valid_one_is_refused(tmp_path: Path) -> None:
+    """A manifest's whole container is checked against its id: another valid container of the same
+    model under that id (40 tokens where 60 were saved) is not loaded."""
+    url, _ = _saved_whole(tmp_path, 60)
+    _saved_whole(tmp_path, 40)
+    wholes = sorted((tmp_path / PREFIX / "wholes").iterdir(), key=lambda p: p.stat().st_size)
+    small, large = wholes
+    manifest = chunks.read_manifest(url)
+    assert manifest.wholes["lossless"][0] == large.name
+    large.write_bytes(small.read_bytes())
+    target = smollm(attention_type=llama_cpp.LLAMA_ATTENTION_TYPE_NON_CAUSAL)
+    with pytest.raises(CorruptDataError, match="does not hash to its id"):
+        chunks.load_chunked(target, url)
+    assert target.n_tokens == 0
+
+
+def test_a_manifest_past_the_contexts_bound_is_not_read(tmp_path: Path) -> None:
+    """What a manifest URL holds is read no further than a context of this size can need (a
+    planted 1 GiB object was read whole before the manifest check refused it)."""
+    url, path = _saved_whole(tmp_path, 40)
+    os.truncate(path, 1 << 30)
+    with pytest.raises(LimitExceededError, match="more than"):
+        chunks.load_chunked(smollm(attention_type=llama_cpp.LLAMA_ATTENTION_TYPE_NON_CAUSAL), url)
+
+
+def test_of_two_saves_a_query_extends_the_longest_partial_chunk_is_found(tmp_path: Path) -> None:
+    """Two saves of one conversation (210, then 230 tokens) leave two partial last chunks after
+    the same three whole ones: a query extending both finds the longer (the tail probe takes the
+    longest length stored, not the first)."""
+    llm = smollm()
+    tokens = llm.tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)[:250]
+    llm.eval(tokens[:210])
+    chunks.save_chunked(llm, f"file://{tmp_path}/first", levels=("lossless",), chunk_tokens=64)
+    llm.eval(tokens[210:230])
+    chunks.save_chunked(llm, f"file://{tmp_path}/second", levels=("lossless",), chunk_tokens=64)
+    match = chunks.longest_prefix(tmp_path, llm, tokens, chunk_tokens=64)
+    assert (match.chunks, match.positions) == (4, 230)
+    assert chunks.longest_prefix(tmp_path, llm, tokens[:220], chunk_tokens=64).positions == 210
+
+
+def test_a_prefix_longer_than_the_context_is_refused_before_any_fetch(tmp_path: Path) -> None:
+    """load_prefix checks the room first: a prefix of 230 tokens into a context of 128 is a
+    ModelMismatchError naming the size, before a chunk is read, and the context is left alone."""
+    llm = smollm()
+    tokens = llm.tokenize(sample_text("gpl-3.0.txt").encode(), add_bos=True)[:230]
+    llm.eval(tokens)
+    chunks.save_chunked(llm, f"file://{tmp_path}/ctx", levels=("lossless",), chunk_tokens=64)
+    small = smollm(n_ctx=128)
+    with pytest.raises(ModelMismatchError, match="context too small"):
+        chunks.load_prefix(small, f"file://{tmp_path}", tokens, chunk_tokens=64)
+    assert small.n_tokens == 0

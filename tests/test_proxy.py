@@ -1099,3 +1099,47 @@ def test_a_restarted_proxy_keeps_what_the_slot_holds(cluster: Cluster, tmp_path:
     out, _ = _complete(second, other)
     assert out["timings"]["prompt_n"] == len(other) - 1, out["timings"]
     assert _wait_uploads(second, 1)["uploads_unseen"] == 2
+
+
+def _ggsq_head(n_words: int) -> bytes:
+    """A sequence file's header ('ggsq' v3) before n_words token words."""
+    return struct.pack("<III", 0x67677371, 3, n_words)
+
+
+def test_packed_slot_token_lists_that_lie_are_refused() -> None:
+    """A packed token list (marker -1, version 1, count, tokens, media chunks) whose count runs
+    past its words, or that ends in anything but 0 media chunks, is CorruptDataError (not an
+    IndexError, not tokens)."""
+    plain = [-1, 1, 2, 7, 8, 0]
+    tokens, offset = read_slot_file(_ggsq_head(len(plain)) + struct.pack("<6i", *plain))
+    assert tokens.tolist() == [7, 8] and offset == 12 + 4 * len(plain)
+    for words in ([-1, 1, 3, 7, 8, 0], [-1, 1, 9, 7, 8, 0]):  # a count past the words
+        with pytest.raises(CorruptDataError, match="unreadable packed"):
+            read_slot_file(_ggsq_head(len(words)) + struct.pack(f"<{len(words)}i", *words))
+    media = [-1, 1, 2, 7, 8, 1]  # the count fits; the last word says one media chunk follows
+    with pytest.raises(CorruptDataError, match="media"):
+        read_slot_file(_ggsq_head(len(media)) + struct.pack("<6i", *media))
+
+
+def test_level_choice_meets_the_slo_and_falls_back_to_the_server() -> None:
+    """load_level if every chunk has it; else the best level whose fetch fits 80% of the SLO (the
+    smallest when none does); None (the server computes) when even that is estimated slower than
+    the server's measured prefill."""
+    sharing = Sharing("file:///nonexistent", {"n_layer": 2, "n_embd": 8}, 1024, slo=40.0)
+    stored = [("lossless", "high", "balanced")] * 2
+    assert sharing.choose_level(stored, 100) == "lossless"  # nothing measured: every estimate 0
+    sharing.throughput = 1000.0
+    sharing.bytes_per_token = {"lossless": 1000.0, "high": 500.0, "balanced": 250.0}
+    assert sharing.choose_level(stored, 100) == "balanced"  # 100 s, 50 s, 25 s: under 32 s
+    sharing.slo = 70.0
+    assert sharing.choose_level(stored, 100) == "high"
+    sharing.slo = 1.0
+    assert sharing.choose_level(stored, 100) == "balanced"  # none fits: the smallest
+    sharing.compute_tps = 1.0  # the server: 100 s for the prefix
+    assert sharing.choose_level(stored, 100) == "balanced"
+    sharing.compute_tps = 10.0  # 10 s: the fetch (25 s) is slower
+    assert sharing.choose_level(stored, 100) is None
+    assert sharing.choose_level([("lossless",), ("high",)], 100) is None  # no level every chunk has
+    sharing.load_level = "high"
+    assert sharing.choose_level(stored, 100) == "high"
+    assert sharing.choose_level([("lossless",), ("lossless",)], 100) is None

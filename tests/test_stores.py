@@ -1031,3 +1031,60 @@ def test_an_authorization_header_that_is_not_utf8_is_refused(token_server: tuple
     head = b"PUT /u.bin HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3\xffcret\r\nContent-Length: 1\r\n\r\nx"
     answer = _exchange(int(base.rsplit(":", 1)[1]), head)
     assert answer.split(b"\r\n", 1)[0].split()[1] == b"401" and not (root / "u.bin").exists()
+
+
+def test_a_token_under_another_scheme_than_bearer_is_refused(token_server: tuple[str, Path]) -> None:
+    """Only `Authorization: Bearer <token>` lets a write in: the token sent as Basic (or any other
+    scheme's) credentials is refused, and nothing is stored."""
+    base, root = token_server
+    port = int(base.rsplit(":", 1)[1])
+    for scheme in (b"Basic", b"Token", b"Bearerx"):
+        head = (
+            b"PUT /scheme.bin HTTP/1.1\r\nHost: x\r\nAuthorization: " + scheme + b" s3cret\r\n"
+            b"Content-Length: 1\r\n\r\nx"
+        )
+        answer = _exchange(port, head)
+        assert answer.split(b"\r\n", 1)[0].split()[1] == b"401", (scheme, answer[:80])
+    assert not (root / "scheme.bin").exists()
+    ok = b"PUT /scheme.bin HTTP/1.1\r\nHost: x\r\nAuthorization: bearer s3cret\r\nContent-Length: 1\r\n\r\nx"
+    assert _exchange(port, ok).split(b"\r\n", 1)[0].split()[1] == b"201"  # the scheme is case-blind
+
+
+@pytest.fixture(params=["file", "redis", "http"])
+def keyed_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "file":
+        url = tmp_path.as_uri()
+    elif request.param == "redis":
+        url = request.getfixturevalue("redis_url") + f"?prefix=t{os.getpid()}-{request.node.name}:"
+    else:
+        base, _root = request.getfixturevalue("http_server")
+        url = f"{base}/{tmp_path.name}"
+    with open_store(url, auth_key="a key") as s:
+        yield s
+
+
+def test_a_tagged_value_over_max_size_is_over_the_limit_not_forged(keyed_store: Store) -> None:
+    """With a key, a value past max_size is a LimitExceededError, as without one: the raw read
+    stops at the limit itself (a value cut there fails its tag, an AuthenticationError, which
+    `_get_within` does not remove and `has` takes for a forgery)."""
+    keyed_store.put("big.bin", b"v" * 10000)
+    assert keyed_store.get("big.bin", max_size=10000) == b"v" * 10000
+    for max_size in (9999, 5000):  # one byte short; far short (the read stops inside the value)
+        with pytest.raises(LimitExceededError, match="more than"):
+            keyed_store.get("big.bin", max_size=max_size)
+
+
+def test_a_redis_lru_member_that_is_no_key_is_not_listed_even_with_a_value(redis_url: str) -> None:
+    """A member of the LRU set that is no valid key is skipped though a string value is stored
+    under its name (the TYPE check alone let it through: an eviction could never delete it)."""
+    import redis
+
+    prefix = f"t{os.getpid()}-listing-valued:"
+    with open_store(f"{redis_url}?prefix={prefix}") as rstore:
+        rstore.put("lcg4/chunks/a", b"x")
+        client = redis.Redis.from_url(redis_url)
+        client.set(f"{prefix}junk name", b"y")
+        client.set(f"{prefix}../up", b"y")
+        client.zadd(f"{prefix}__lru__", {b"junk name": 0, b"../up": 0})
+        assert [e.key for e in rstore.list("")] == ["lcg4/chunks/a"]
+        client.close()
