@@ -592,23 +592,26 @@ def test_a_store_that_refuses_writes_still_serves_its_hits(tmp_path: Path) -> No
     assert greedy(llm, held, 4) == expected and (cache.hits, cache.misses) == (1, 1)
 
 
+class _FlakyStore(FileStore):
+    """A file store whose chunk reads fail while `failing` (a timeout, a reset on the way)."""
+
+    failing = False
+
+    def get(self, key: str, max_size: int | None = None) -> bytes:
+        if self.failing and "/chunks/" in key:
+            raise StoreError(f"timed out reading {key!r}")
+        return super().get(key, max_size)
+
+
 def test_a_store_that_fails_during_a_hit_keeps_its_chunks(tmp_path: Path) -> None:
     """A read that fails on its way (a timeout, a reset) says nothing of the chunks: the hit is a
     miss and they stay (they were removed as damaged, from a store others share)."""
-
-    class Flaky(FileStore):
-        failing = False
-
-        def get(self, key: str, max_size: int | None = None) -> bytes:
-            if self.failing and "/chunks/" in key:
-                raise StoreError(f"timed out reading {key!r}")
-            return super().get(key, max_size)
 
     prompt = " ".join(sample_text("gpl-3.0.txt").split()[:60])
     writer = smollm()
     writer.set_cache(CompressedStateCache(tmp_path, level="lossless", chunk_tokens=C))
     expected = greedy(writer, prompt, 4)
-    store = Flaky(tmp_path)
+    store = _FlakyStore(tmp_path)
     cache = CompressedStateCache(store, level="lossless", chunk_tokens=C)
     before = chunk_objects(cache)
     llm = smollm()
@@ -647,15 +650,7 @@ def test_a_read_that_fails_on_its_way_removes_no_chunk(
     """A store error during a hit (a timeout, a reset) is a miss that keeps the chunks, seen right
     after the hit (through a completion, the save that follows writes removed chunks again)."""
 
-    class Flaky(FileStore):
-        failing = False
-
-        def get(self, key: str, max_size: int | None = None) -> bytes:
-            if self.failing and "/chunks/" in key:
-                raise StoreError(f"timed out reading {key!r}")
-            return super().get(key, max_size)
-
-    store = Flaky(tmp_path)
+    store = _FlakyStore(tmp_path)
     cache = CompressedStateCache(store, level="balanced", chunk_tokens=C, model=smollm())
     tokens = _tokens(states[1])
     cache[tokens] = states[1]

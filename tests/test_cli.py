@@ -288,6 +288,11 @@ def test_save_then_load_answers_as_the_prefilled_context(tmp_path: Path) -> None
     proc = _cli("save", store / "ctx3", "--text", text, "--n-ctx", "64", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "tokens do not fit --n-ctx 64: give a larger --n-ctx or fewer --tokens" in proc.stderr
+    (tmp_path / "empty.txt").write_text("")
+    proc = _cli("save", store / "ctx3", "--text", tmp_path / "empty.txt", check=False)
+    assert proc.returncode == 1 and "holds no tokens: there is no context to save" in proc.stderr
+    proc = _cli("load", store / "ctx", "--max-tokens", "4", check=False)
+    assert proc.returncode == 1 and "--max-tokens goes with a --prompt" in proc.stderr
     proc = _cli("save", store / "ctx3", "--text", tmp_path / "missing.txt", check=False)
     assert (
         proc.returncode == 1 and "No such file or directory" in proc.stderr and "Traceback" not in proc.stderr

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import tiny_models
 from conftest import kv_cache_bytes, seq_buffer
+from llama_cachegen import chunks
 from llama_cachegen.chunks import PREFIX
 from llama_cachegen.errors import CacheGenError, CorruptDataError, UnsupportedFormatError
 from llama_cachegen.model import sample_text
@@ -41,7 +42,7 @@ from llama_cachegen.proxy import (
     slot_file_to_seq_buffer,
 )
 from llama_cachegen.server import Processes, free_port, http_status, post_json
-from llama_cachegen.stores import STORE_BACKOFF_S
+from llama_cachegen.stores import STORE_BACKOFF_S, open_store
 
 CHUNK = 128
 N_CTX = 2048
@@ -107,39 +108,72 @@ def test_a_prefix_whose_last_chunk_names_a_lost_skeleton_loads_the_chunks_before
     assert sharing.load(tokens, 0).slot_file is None
 
 
+_TEST_FINGERPRINT = {"arch": "test", "n_layer": 2, "n_embd": 64, "type_k": "f16", "type_v": "f16"}
+
+
+def _stored_bytes(store: Path) -> int:
+    return sum(f.stat().st_size for f in (store / PREFIX).rglob("*") if f.is_file())
+
+
+def _contexts(*firsts: int) -> list[tuple[np.ndarray, bytes]]:
+    """48-token slot files of random K/V, tokens first..first+47: (tokens, slot file) each."""
+    rng = np.random.default_rng(0)
+    out = []
+    for first in firsts:
+        tokens = np.arange(first, first + 48, dtype=np.int32)
+        memory = kv_cache_bytes(rng, cells_per_stream=(48,))
+        out.append((tokens, seq_buffer_to_slot_file(seq_buffer(memory), tokens)))
+    return out
+
+
 def test_a_capacity_evicts_the_least_recently_used_prefixes_after_uploads(tmp_path: Path) -> None:
     """The proxy's store grew for good (a leak review: 4.4 MB per distinct 300-token prompt). With
     `capacity_bytes` each upload ends with the chunk objects under it, the least recently used
     (uploaded or loaded) prefix evicted first."""
-    rng = np.random.default_rng(0)
-    fingerprint = {"arch": "test", "n_layer": 2, "n_embd": 64, "type_k": "f16", "type_v": "f16"}
     store = tmp_path / "store"
-
-    def used_bytes() -> int:
-        return sum(f.stat().st_size for f in (store / PREFIX).rglob("*") if f.is_file())
-
-    def context(first: int) -> tuple[np.ndarray, bytes]:
-        tokens = np.arange(first, first + 48, dtype=np.int32)
-        return tokens, seq_buffer_to_slot_file(
-            seq_buffer(kv_cache_bytes(rng, cells_per_stream=(48,))), tokens
-        )
-
-    a, b, c = context(100), context(200), context(300)
-    probe = Sharing(store.as_uri(), fingerprint, 256, chunk_tokens=16)
+    a, b, c = _contexts(100, 200, 300)
+    probe = Sharing(store.as_uri(), _TEST_FINGERPRINT, 256, chunk_tokens=16)
     assert probe.upload(a[1])["evicted_bytes"] == 0  # no capacity: nothing deleted
-    one = used_bytes()
+    one = _stored_bytes(store)
     shutil.rmtree(store)
-    sharing = Sharing(store.as_uri(), fingerprint, 256, chunk_tokens=16, capacity_bytes=int(2.5 * one))
+    sharing = Sharing(store.as_uri(), _TEST_FINGERPRINT, 256, chunk_tokens=16, capacity_bytes=int(2.5 * one))
     for _, slot in (a, b):
         assert sharing.upload(slot)["evicted_bytes"] == 0
         time.sleep(0.01)
-    assert sharing.load(a[0], 0).positions == 48  # a is now used more recently than b
+    loaded = sharing.load(a[0], 0)  # a's chunks at the level loaded: now used more recently than b's
+    assert loaded.positions == 48 and list(loaded.levels) == ["high"]
     done = sharing.upload(c[1])
-    assert done["evicted_bytes"] > 0 and used_bytes() <= 2.5 * one
-    assert sharing.load(b[0], 0).positions < 48  # the least recently used lost its tail (what went first)
+    assert done["evicted_bytes"] > 0 and _stored_bytes(store) <= 2.5 * one
+    with open_store(store.as_uri()) as s:
+
+        def whole(tokens: np.ndarray, *levels: str) -> bool:  # every chunk object of the prefix
+            keys = chunks.chain_keys(_TEST_FINGERPRINT, tokens, 16)
+            return all(s.exists(chunks._chunk_key(k, lv)) for k in keys for lv in levels)
+
+        # b (uploaded before a was loaded) went first
+        assert whole(a[0], "high") and whole(c[0], "high", "balanced") and not whole(b[0], "high", "balanced")
     for tokens, _ in (a, c):
         loaded = sharing.load(tokens, 0)
         assert loaded.positions == 48 and np.array_equal(read_slot_file(loaded.slot_file)[0], tokens)
+
+
+@pytest.mark.parametrize("remembers", [True, False])
+def test_an_upload_of_stored_chunks_marks_what_they_name(tmp_path: Path, remembers: bool) -> None:
+    """An upload that found every chunk stored marked the chunks used, not the statistics and
+    skeleton they name (an earlier save's): those stayed the oldest objects, an eviction took
+    them first, and the most recently used prefix lost every chunk at its next load (a review).
+    A proxy that uploaded or loaded the chunks remembers what they name; another reads it."""
+    store = tmp_path / "store"
+    (a_tokens, a), (b_tokens, b) = _contexts(100, 200)
+    first = Sharing(store.as_uri(), _TEST_FINGERPRINT, 256, chunk_tokens=16)
+    for slot in (a, b):
+        first.upload(slot)
+        time.sleep(0.01)
+    again = first if remembers else Sharing(store.as_uri(), _TEST_FINGERPRINT, 256, chunk_tokens=16)
+    assert again.upload(a)["objects_written"] == 0
+    assert open_store(store.as_uri()).evict(PREFIX, _stored_bytes(store) // 2) > 0
+    assert again.load(a_tokens, 0).positions == 48  # the most recently used: whole
+    assert again.load(b_tokens, 0).positions < 48
 
 
 def test_slot_file_refusals() -> None:

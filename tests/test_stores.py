@@ -195,7 +195,13 @@ def test_a_read_waiting_for_the_reply_ends_when_cancelled(end: str) -> None:
     server that stopped answering left 130 fetch threads after 12 loads)."""
     with socket.create_server(("127.0.0.1", 0)) as wedged:  # accepts, reads, never answers
         held: list[socket.socket] = []
-        threading.Thread(target=lambda: held.append(wedged.accept()[0]), daemon=True).start()
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    held.append(wedged.accept()[0])
+
+        threading.Thread(target=accept, daemon=True).start()
         store = HttpStore(f"http://127.0.0.1:{wedged.getsockname()[1]}", auth_key="", timeout=60.0)
         errors: list[BaseException] = []
 

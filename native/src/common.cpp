@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
-#include <system_error>
 #include <thread>
 
 #if defined(__linux__)
@@ -323,8 +322,8 @@ void parallel_for_workers(size_t n, int n_threads, const std::function<void(size
     for (size_t t = 1; t < n_workers; t++) {
         try {
             threads.emplace_back(work, t);
-        } catch (const std::system_error &) {
-            break;  // no more threads (EAGAIN: a pids limit): those started and this one do the work
+        } catch (...) {
+            break;  // no more threads (EAGAIN at a pids limit, no memory): those started and this one do the work
         }
     }
     work(0);

@@ -642,6 +642,8 @@ class _ChunkReader:
         self.chunk_bound = chunk_bound(fingerprint, chunk_tokens)
         self._stats: dict[str, codec.Stats] = {}
         self.skeleton_ids: set[str] = set()  # named by the chunks fetched so far
+        # per chunk fetched: the object read, and the statistics and skeleton it names
+        self.read: dict[int, tuple[str, str, str]] = {}
         self.bytes_read = 0
         self._thread_bytes: dict[int, int] = {}  # bytes_read per reading thread
 
@@ -771,6 +773,8 @@ class _ChunkReader:
                     continue  # the next level may be there
                 data = self.verified(stats_key, meta.stats_id, "statistics", stored)
                 self._stats[meta.stats_id] = codec.Stats(data, bytes.fromhex(meta.stats_id))
+            named = (_stats_key(meta.stats_id), _skeleton_key(meta.skeleton_id))
+            self.read[i] = (_chunk_key(self.keys[i], level), *named)
             return _Fetched(level, chunk, meta, self._stats[meta.stats_id], time.perf_counter() - start)
         message = f"chunk {i} ({self.keys[i]}) is stored at none of the levels " + ", ".join(
             self.candidates[i] if levels is None else levels

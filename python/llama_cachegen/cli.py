@@ -709,12 +709,21 @@ def _save(args: argparse.Namespace) -> int:
     import llama_cpp
 
     from .chunks import DEFAULT_LEVELS, save_chunked
+    from .llama import model_n_ctx_train
 
     model = _model(args.model)
     tokens = _tokenize(model, _text(args.text))[: args.tokens]
+    if not tokens:
+        raise InvalidArgumentError(f"{args.text} holds no tokens: there is no context to save")
     if args.n_ctx is not None and len(tokens) > args.n_ctx:
         raise InvalidArgumentError(
             f"{len(tokens)} tokens do not fit --n-ctx {args.n_ctx}: give a larger --n-ctx or fewer --tokens"
+        )
+    n_ctx_train = None if args.n_ctx else model_n_ctx_train(model)
+    if n_ctx_train and len(tokens) > n_ctx_train:  # what `load` refuses without --n-ctx
+        raise InvalidArgumentError(
+            f"{len(tokens)} tokens, more than {model}'s training context ({n_ctx_train}): give --n-ctx to "
+            "save them anyway, or fewer --tokens"
         )
     llm = _open_llama(
         model,
@@ -780,6 +789,9 @@ def _load(args: argparse.Namespace) -> int:
     from .llama import StateMeta, check_fingerprint, model_fingerprint, model_n_ctx_train
     from .stream import ChunkRecord, load_streaming
 
+    if args.prompt == "" or (args.max_tokens is not None and not args.prompt):
+        raise InvalidArgumentError("--max-tokens goes with a --prompt, which is not empty")
+    max_tokens = args.max_tokens or 32
     start = time.perf_counter()
     data = read_url(args.url)  # read first, to size the context: on the SLO's clock too
     manifest_s = time.perf_counter() - start
@@ -798,7 +810,7 @@ def _load(args: argparse.Namespace) -> int:
                 f"({n_ctx_train}); give --n-ctx to load it anyway"
             )
         # room for the question and its answer (a token is at least a byte of the prompt)
-        n_ctx = n_ctx or n_tokens + 256 + (len(args.prompt.encode()) + args.max_tokens if args.prompt else 0)
+        n_ctx = n_ctx or n_tokens + 256 + (len(args.prompt.encode()) + max_tokens if args.prompt else 0)
         saved = m.meta.fingerprint
     else:  # a whole container: its envelope, when it has one (else the load says what it is)
         try:
@@ -845,12 +857,10 @@ def _load(args: argparse.Namespace) -> int:
         question = llm.tokenize(args.prompt.encode(), add_bos=False)
         if len(context) + len(question) >= llm.n_ctx():
             raise InvalidArgumentError(
-                f"{len(context)} context tokens and the {len(question)}-token prompt do not fit "
-                f"--n-ctx {llm.n_ctx()}: give a larger --n-ctx"
+                f"{len(context)} context tokens and the {len(question)}-token prompt do not fit the "
+                f"context's {llm.n_ctx()} tokens: give a larger --n-ctx"
             )
-        result["answer"], result["prompt_tokens_evaluated"] = _answer(
-            llm, context + question, args.max_tokens
-        )
+        result["answer"], result["prompt_tokens_evaluated"] = _answer(llm, context + question, max_tokens)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -1113,7 +1123,7 @@ def _parser() -> argparse.ArgumentParser:
         help="context size (default: the context's tokens + 256, and room for --prompt)",
     )
     p.add_argument("--prompt", help="then continue the loaded context with this text and print the answer")
-    p.add_argument("--max-tokens", type=_COUNT, default=32, help="the answer's length (default: %(default)s)")
+    p.add_argument("--max-tokens", type=_COUNT, help="the answer's length (default: 32)")
     _threads_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_load)

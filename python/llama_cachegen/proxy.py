@@ -44,6 +44,8 @@ import struct
 import sys
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +119,7 @@ _MIN_LOAD_S = 1.0  # ... and at least this long after
 _MAX_PENDING_UPLOADS = 2  # saved slots waiting for the uploader (each holds a state in memory)
 _SLOTS_WAIT_S = 1.0  # longest wait for GET /slots (answered between the server's batches)
 _MAX_LOSSY = 4096  # lossy restores remembered one by one (LossyRestores)
+_MAX_NAMED = 1 << 16  # chunk objects whose statistics and skeleton a proxy remembers (Sharing._remember)
 # bytes per token per level, relative to the f16 state, until the proxy has measured its own
 _GUESS_RATIO = {"lossless": 0.8, "high": 0.3, "balanced": 0.22, "compact": 0.15}
 
@@ -303,6 +306,32 @@ class Sharing:
         self.bytes_per_token: dict[str, float] = {}
         self.f16_bytes_per_token = 4.0 * int(fingerprint["n_layer"]) * int(fingerprint["n_embd"])
         self.compute_tps: float | None = None  # the server's prompt tokens per second
+        self._named: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # _remember
+
+    def _remember(self, chunk_key: str, named: Sequence[str]) -> None:
+        """What the chunk object `chunk_key` names (its statistics and skeleton), for marking them
+        used with it when an upload finds it stored (they are another save's: left unmarked, they
+        were the oldest objects and an eviction took them first, and the chunks with them)."""
+        with self._mutex:
+            self._named[chunk_key] = tuple(named)
+            self._named.move_to_end(chunk_key)
+            while len(self._named) > _MAX_NAMED:
+                self._named.popitem(last=False)
+
+    def _named_by(self, store: stores.Store, chunk_key: str) -> tuple[str, ...]:
+        """What the chunk object names: remembered from this proxy's loads and uploads, else read
+        from it (best effort: one that cannot be read names nothing here, and fails its next load)."""
+        with self._mutex:
+            named = self._named.get(chunk_key)
+        if named is not None:
+            return named
+        with contextlib.suppress(CacheGenError, OSError, ValueError):
+            chunk = store.get(chunk_key, max_size=chunks.chunk_bound(self.fingerprint, self.chunk_tokens))
+            meta = chunks.ChunkMeta.unpack(codec.user_meta(chunk))
+            named = (chunks._stats_key(meta.stats_id), chunks._skeleton_key(meta.skeleton_id))
+            self._remember(chunk_key, named)
+            return named
+        return ()
 
     def _store(self) -> stores.Store:
         store = getattr(self._local, "store", None)
@@ -401,10 +430,10 @@ class Sharing:
                     return Loaded(None, match.positions, match.chunks)
         if codec.inspect(skeleton)["kind"] != "seq_buffer":
             raise CorruptDataError("the prefix's skeleton is not a sequence state (saved by another tool)")
-        support = [chunks._stats_key(i) for i in reader.stats_ids]
-        _mark_used(
-            store, match.keys, candidates, support + [chunks._skeleton_key(i) for i in reader.skeleton_ids]
-        )
+        read = [reader.read[i] for i in range(len(match.keys))]
+        for key, *named in read:
+            self._remember(key, named)
+        _mark_used(store, read)
         if figures["fetch_s"] > 0:
             self._learn("throughput", reader.bytes_read / figures["fetch_s"])
         for lv, n in figures["levels"].items():
@@ -476,11 +505,26 @@ class Sharing:
             written = sum(1 for c in manifest.chunks if c.sizes.get(level) is not None)
             if written:
                 self._learn_level(level, n / (written * self.chunk_tokens))
-        keys = [c.key for c in manifest.chunks]
-        support = [chunks._stats_key(i) for i in manifest.stats.values() if i is not None]
         assert manifest.skeleton is not None
-        _mark_used(store, keys, [levels] * len(keys), support + [chunks._skeleton_key(manifest.skeleton)])
-        evicted = 0 if self.capacity_bytes is None else store.evict(chunks.PREFIX, self.capacity_bytes)
+        chain = []
+        for c in manifest.chunks:
+            for level in levels:
+                key = chunks._chunk_key(c.key, level)
+                if c.sizes.get(level) is None:  # stored before: what it names is another save's
+                    named = self._named_by(store, key)
+                else:
+                    stats_id = manifest.stats[level]
+                    assert stats_id is not None
+                    named = (chunks._stats_key(stats_id), chunks._skeleton_key(manifest.skeleton))
+                    self._remember(key, named)
+                chain.append((key, *named))
+        _mark_used(store, chain)
+        evicted = 0
+        if self.capacity_bytes is not None and uploads.objects:
+            try:
+                evicted = store.evict(chunks.PREFIX, self.capacity_bytes)
+            except (CacheGenError, OSError) as exc:  # the chunks are stored: the upload stands
+                log.warning("eviction past --capacity-bytes failed: %s", exc)
         return {
             "chunks": len(manifest.chunks),
             "objects_written": uploads.objects,
@@ -492,17 +536,16 @@ class Sharing:
         }
 
 
-def _mark_used(
-    store: stores.Store, keys: list[str], levels: list[tuple[str, ...]], support: list[str]
-) -> None:
-    """Marks a prefix's chunks used for LRU eviction (a capacity of this proxy's or of anyone
-    sharing the store), last chunk first, then the statistics and skeletons they need: an eviction
+def _mark_used(store: stores.Store, chain: list[tuple[str, ...]]) -> None:
+    """Marks a prefix's chunk objects used for LRU eviction (a capacity of this proxy's or of anyone
+    sharing the store), last chunk first, then the statistics and skeletons they name: an eviction
     takes a prefix's tail before its head, and its chunks before what they need (as the prompt
-    cache does). Best effort: a store that refuses marks still serves."""
-    chain = zip(reversed(keys), reversed(levels), strict=True)
-    used = [chunks._chunk_key(k, lv) for k, lvs in chain for lv in lvs]
+    cache does). `chain`: per chunk object in prefix order, its key then what it names. Best
+    effort: a store that refuses marks still serves."""
+    used = [key for key, *_ in reversed(chain)]
+    used += dict.fromkeys(named for _, *names in chain for named in names)
     with contextlib.suppress(OSError, CacheGenError):
-        store.mark_used(used + support)
+        store.mark_used(used)
 
 
 # ---- the HTTP proxy -----------------------------------------------------------------------------

@@ -141,11 +141,12 @@ class _Reader:
     def end(self) -> None:
         """Shuts the reply in flight down, or the connection still waiting for one."""
         response, connection = self.response, self.connection  # read once: the reader clears them
+        sock = getattr(connection, "sock", None)  # read once: the reading thread may close it
         with contextlib.suppress(RuntimeError, ValueError, OSError):  # already back in the pool
             if response is not None:
                 response.shutdown()
-            elif getattr(connection, "sock", None) is not None:
-                connection.sock.shutdown(socket.SHUT_RDWR)
+            elif sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 # the _Reader whose GET this thread is sending: its connection registers there (_Cancellable)
@@ -167,7 +168,10 @@ class _Cancellable:
         reader = getattr(_sending, "reader", None)
         if reader is not None and reader.cancelled:  # cancelled before the socket was there to shut
             raise urllib3.exceptions.ProtocolError("the read was cancelled")
-        return super().getresponse()  # type: ignore[misc]
+        response = super().getresponse()  # type: ignore[misc]
+        if reader is not None:  # the headers are in: cancel() shuts the response from now on, and
+            reader.connection = None  # this connection may go back to the pool for another request
+        return response
 
 
 class _Connection(_Cancellable, urllib3.connection.HTTPConnection):
@@ -194,8 +198,9 @@ class _Retry(urllib3.Retry):
     def increment(self, *args: Any, **kwargs: Any) -> urllib3.Retry:
         reader = getattr(_sending, "reader", None)
         cancelled = reader is not None and reader.cancelled  # a shut connection is not tried again
-        if cancelled or isinstance(kwargs.get("error"), urllib3.exceptions.ReadTimeoutError):
-            raise kwargs["error"]
+        error = kwargs.get("error")  # None for a redirect or a status to retry
+        if error is not None and (cancelled or isinstance(error, urllib3.exceptions.ReadTimeoutError)):
+            raise error
         return super().increment(*args, **kwargs)
 
 
@@ -290,9 +295,13 @@ class HttpStore(Store):
             raise StoreError(f"HTTP {method} {redact(url)}: {exc}") from exc
         head = response.data[:300] if preload else b""
         if response.status >= 300 and not preload:  # an error's body: read here, or the connection is lost
-            head = response.read(300)
-            response.drain_conn()
-            response.release_conn()
+            try:
+                head = response.read(300)
+                response.drain_conn()
+            except urllib3.exceptions.HTTPError as exc:  # a timeout, or a cancel() meanwhile
+                raise StoreError(f"HTTP {method} {redact(url)}: {response.status}, then: {exc}") from exc
+            finally:
+                response.release_conn()
         if response.status == 404:
             raise EntryNotFoundError(f"{key!r} not in {self.url}")
         if response.status in (401, 403):
