@@ -31,16 +31,19 @@ from llama_cachegen.stores.file import FileStore
 from llama_cachegen.stores.http import MAX_POST_BODY, TOKEN_ENV, HttpStore
 
 
+def _store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh store of the kind `request.param` names, for this test alone."""
+    if request.param == "file":
+        return tmp_path.as_uri()
+    if request.param == "redis":
+        return request.getfixturevalue("redis_url") + f"?prefix=t{os.getpid()}-{request.node.name}:"
+    base, _root = request.getfixturevalue("http_server")
+    return f"{base}/{tmp_path.name}"  # a fresh folder on the server per test
+
+
 @pytest.fixture(params=["file", "redis", "http"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "file":
-        url = tmp_path.as_uri()
-    elif request.param == "redis":
-        url = request.getfixturevalue("redis_url") + f"?prefix=t{os.getpid()}-{request.node.name}:"
-    else:
-        base, root = request.getfixturevalue("http_server")
-        url = f"{base}/{tmp_path.name}"  # a fresh folder on the server per test
-    with open_store(url) as s:
+    with open_store(_store_url(request, tmp_path)) as s:
         yield s
 
 
@@ -1058,14 +1061,7 @@ def test_a_token_under_another_scheme_than_bearer_is_refused(token_server: tuple
 
 @pytest.fixture(params=["file", "redis", "http"])
 def keyed_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "file":
-        url = tmp_path.as_uri()
-    elif request.param == "redis":
-        url = request.getfixturevalue("redis_url") + f"?prefix=t{os.getpid()}-{request.node.name}:"
-    else:
-        base, _root = request.getfixturevalue("http_server")
-        url = f"{base}/{tmp_path.name}"
-    with open_store(url, auth_key="a key") as s:
+    with open_store(_store_url(request, tmp_path), auth_key="a key") as s:
         yield s
 
 
