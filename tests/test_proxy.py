@@ -777,6 +777,27 @@ def test_a_completion_passed_through_leaves_no_stale_record(cluster: Cluster, tm
     assert out["timings"]["prompt_n"] == len(question)
 
 
+def test_a_context_the_server_shifted_is_not_uploaded(cluster: Cluster, tmp_path: Path) -> None:
+    """A server with --context-shift that generates past its context drops tokens and moves the
+    rest: the K/V it keeps was computed beside tokens it dropped, not its own tokens' exact K/V,
+    and stored under them it would be another prompt's wrong prefix. The proxy saves the slot,
+    sees that it no longer starts with the prompt, and uploads nothing (no test reached this)."""
+    server, slot_dir = cluster.llama_server("shift", cluster.binary, 256, None, "--context-shift")
+    store = tmp_path / "store"
+    proxy = cluster.proxy_of(server, slot_dir, str(store))
+    prompt = _tokenize(server, sample_text("gfdl-1.3.txt"), add_special=True)[:200]
+    out, _ = _complete(proxy, prompt, n_predict=100, ignore_eos=True)
+    assert out["timings"]["predicted_n"] == 100  # past the 256 positions: the server shifted
+    deadline = time.monotonic() + 60.0
+    while _stats(proxy)["saves"] < 1:
+        assert time.monotonic() < deadline, _stats(proxy)
+        time.sleep(0.2)
+    time.sleep(1.0)  # the upload, if any, is queued right after the save
+    stats = _stats(proxy)
+    assert (stats["uploads"], stats["upload_errors"], stats["pending_uploads"]) == (0, 0, 0)
+    assert not (store / PREFIX).exists()
+
+
 def _slot_state(server: str) -> dict[str, Any]:
     return json.loads(http_status(server + "/slots")[1])[0]
 
