@@ -16,7 +16,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import chunk_objects, greedy, multi_seq_llama, smollm
+from conftest import chunk_objects, greedy, kv_cache_bytes, multi_seq_llama, seq_buffer, smollm
 from llama_cachegen import chunks, codec, envelope, stream
 from llama_cachegen.cache import CompressedStateCache
 from llama_cachegen.chunks import PREFIX, root_key
@@ -39,7 +39,7 @@ from llama_cachegen.llama import (
     save_compressed_state,
 )
 from llama_cachegen.model import sample_text
-from llama_cachegen.stores import KEY_ENV, write_url
+from llama_cachegen.stores import KEY_ENV, open_store, write_url
 
 PROMPT = "The capital of France is"  # SmolLM2: " Paris."
 OTHER = "The capital of Japan is"  # SmolLM2: " Tokyo."
@@ -411,6 +411,25 @@ def test_token_ids_outside_the_vocabulary_never_reach_the_context() -> None:
         with pytest.raises(CorruptDataError, match="vocabulary"):
             load_compressed_state(llm, blob)
         assert (capture_state(llm, None), llm.n_tokens) == before
+
+
+def test_a_skeleton_whose_state_passes_the_models_bound_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    """A skeleton (hashing to its id) of a layout far wider than the model's, 16 positions of K/V
+    rows of 4,096 values where the fingerprint says 64: its state is refused by the bound before
+    one byte of it is allocated (a 368-byte forgery asked for 676 MB), not built and checked after.
+    The same skeleton under a fingerprint of its own width builds."""
+    rng = np.random.default_rng(0)
+    skeleton = codec.encode_skeleton(seq_buffer(kv_cache_bytes(rng, n_embd=4096, cells_per_stream=(16,))))
+    tokens = np.arange(16, dtype=np.intc)
+
+    def build(n_embd: int) -> np.ndarray:
+        fingerprint = {"arch": "test", "n_layer": 2, "n_embd": n_embd}
+        reader = chunks._ChunkReader(open_store(str(tmp_path)), fingerprint, tokens, 16, [], [])
+        return reader.skeleton_state(hashlib.sha256(skeleton).hexdigest(), skeleton)
+
+    assert len(build(4096)) > 16 * 2 * 2 * 4096 * 2  # its own width: K and V of 2 layers, f16
+    with pytest.raises(CorruptDataError, match="the skeleton.s state needs"):
+        build(64)
 
 
 def test_a_forged_or_untagged_skeleton_cuts_the_prefix_before_the_chunk_naming_it(
