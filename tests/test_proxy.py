@@ -798,6 +798,19 @@ def test_a_context_the_server_shifted_is_not_uploaded(cluster: Cluster, tmp_path
     assert not (store / PREFIX).exists()
 
 
+def test_capacity_bytes_bounds_what_a_proxy_leaves_in_its_store(cluster: Cluster, tmp_path: Path) -> None:
+    """`proxy --capacity-bytes`: after its upload the store holds at most that many bytes of
+    objects, and the stats say how many were evicted."""
+    server, slot_dir = cluster.server("capacity")
+    store = tmp_path / "store"
+    proxy = cluster.proxy_of(server, slot_dir, str(store), "--capacity-bytes", "100000")
+    prompt = _tokenize(server, sample_text("gfdl-1.3.txt"), add_special=True)[: 3 * CHUNK + 5]
+    _complete(proxy, prompt)
+    stats = _wait_uploads(proxy, 1)
+    assert stats["uploads"] == 1 and stats["objects_written"] >= 3
+    assert stats["evicted_bytes"] > 0 and _stored_bytes(store) <= 100000
+
+
 def _slot_state(server: str) -> dict[str, Any]:
     return json.loads(http_status(server + "/slots")[1])[0]
 
