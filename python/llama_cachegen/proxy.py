@@ -293,7 +293,7 @@ class Sharing:
         capacity_bytes: int | None = None,
     ) -> None:
         self.store_url, self.fingerprint, self.n_ctx = store_url, fingerprint, n_ctx
-        self.capacity_bytes = capacity_bytes  # of chunk objects in the store, evicted LRU after uploads
+        self.capacity_bytes = capacity_bytes  # of the store's objects under lcg4/, evicted LRU after uploads
         self.levels = chunks._check_levels(levels)
         self.load_level = load_level
         self.slo = slo
@@ -464,7 +464,7 @@ class Sharing:
         tokens, state = slot_file_to_seq_buffer(slot_file)
         full = (int(tokens.size) // self.chunk_tokens) * self.chunk_tokens
         if full == 0:
-            return {"chunks": 0, "objects_written": 0, "bytes_written": 0}
+            return {"chunks": 0, "objects_written": 0, "bytes_written": 0, "evicted_bytes": 0}
         info = codec.inspect_state(state, "seq_buffer")
         if not info["chunkable"] and info["caches"] > 1:
             raise UnsupportedFormatError(
@@ -1245,7 +1245,7 @@ class Proxy:
             self.stats.uploads += 1
             self.stats.bytes_written += done["bytes_written"]
             self.stats.objects_written += done["objects_written"]
-            self.stats.evicted_bytes += done.get("evicted_bytes", 0)
+            self.stats.evicted_bytes += done["evicted_bytes"]
             if done["objects_written"]:
                 log.info(
                     "slot %d: uploaded %d objects, %.0f KB (%d chunks of %d tokens) in %.0f ms",
