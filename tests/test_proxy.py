@@ -27,7 +27,7 @@ import tiny_models
 from conftest import kv_cache_bytes, seq_buffer
 from llama_cachegen import chunks
 from llama_cachegen.chunks import PREFIX
-from llama_cachegen.errors import CacheGenError, CorruptDataError, UnsupportedFormatError
+from llama_cachegen.errors import CacheGenError, CorruptDataError, StoreError, UnsupportedFormatError
 from llama_cachegen.model import sample_text
 from llama_cachegen.proxy import (
     RESTORED_HEADER,
@@ -42,7 +42,8 @@ from llama_cachegen.proxy import (
     slot_file_to_seq_buffer,
 )
 from llama_cachegen.server import Processes, free_port, http_status, post_json
-from llama_cachegen.stores import STORE_BACKOFF_S, open_store
+from llama_cachegen.stores import STORE_BACKOFF_S, Store, open_store
+from llama_cachegen.stores.file import FileStore
 
 CHUNK = 128
 N_CTX = 2048
@@ -174,6 +175,25 @@ def test_an_upload_of_stored_chunks_marks_what_they_name(tmp_path: Path, remembe
     assert open_store(store.as_uri()).evict(PREFIX, _stored_bytes(store) // 2) > 0
     assert again.load(a_tokens, 0).positions == 48  # the most recently used: whole
     assert again.load(b_tokens, 0).positions < 48
+
+
+def test_an_eviction_that_fails_leaves_the_upload_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose listing or delete fails during the eviction after an upload: the chunks are
+    stored, so the upload stands (it counted as failed and set the store aside for 10 s)."""
+
+    def evict(self: Store, prefix: str, capacity_bytes: int) -> int:
+        raise StoreError("listing refused")
+
+    monkeypatch.setattr(FileStore, "evict", evict)
+    ((tokens, slot),) = _contexts(100)
+    sharing = Sharing(
+        (tmp_path / "store").as_uri(), _TEST_FINGERPRINT, 256, chunk_tokens=16, capacity_bytes=1
+    )
+    done = sharing.upload(slot)
+    assert done["objects_written"] > 0 and done["evicted_bytes"] == 0
+    assert sharing.load(tokens, 0).positions == 48
 
 
 def test_slot_file_refusals() -> None:

@@ -235,6 +235,29 @@ def test_a_read_waiting_for_the_reply_ends_when_cancelled(end: str) -> None:
             conn.close()
 
 
+def test_an_error_reply_whose_body_stalls_is_a_store_error() -> None:
+    """A 404 whose body stops coming: reading it timed out with urllib3's own ReadTimeoutError,
+    past every caller's `except StoreError` (a review)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        held: list[socket.socket] = []
+
+        def answer() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    conn = server.accept()[0]
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
+                    held.append(conn)  # the other 990 bytes never come
+
+        threading.Thread(target=answer, daemon=True).start()
+        store = HttpStore(f"http://127.0.0.1:{server.getsockname()[1]}", auth_key="", timeout=0.5)
+        with pytest.raises(StoreError, match="404"):
+            store.get("x")
+        store.close()
+        for conn in held:
+            conn.close()
+
+
 def test_a_file_store_removed_under_its_writer_is_made_again(tmp_path: Path) -> None:
     """A tmp cleaner removed a running process's store folder: every later write failed until the
     process restarted (the folder was made only when the store was opened)."""
