@@ -333,8 +333,7 @@ class CompressedStateCache(BaseLlamaCache):
         state, skeleton, _ = chunks._assemble(reader, None, self.threads)
         if codec.inspect(skeleton)["kind"] != "full_buffer":
             raise InvalidArgumentError("the chunks' skeleton is not a whole-context state")
-        support = [chunks._stats_key(i) for i in reader.stats_ids]
-        support += [chunks._skeleton_key(i) for i in sorted(reader.skeleton_ids)]
+        support = reader.support()
         self._hit_support = (prefix, support)
         used = [*(chunks._chunk_key(k, self.level) for k in reversed(match.keys)), *support]
         return state, used, None if self.level == "lossless" else (0, self.level)

@@ -641,16 +641,15 @@ class _ChunkReader:
         self.ranges = chunk_ranges(len(tokens), chunk_tokens)
         self.chunk_bound = chunk_bound(fingerprint, chunk_tokens)
         self._stats: dict[str, codec.Stats] = {}
-        self.skeleton_ids: set[str] = set()  # named by the chunks fetched so far
         # per chunk fetched: the object read, and the statistics and skeleton it names
         self.read: dict[int, tuple[str, str, str]] = {}
         self.bytes_read = 0
         self._thread_bytes: dict[int, int] = {}  # bytes_read per reading thread
 
-    @property
-    def stats_ids(self) -> list[str]:
-        """The statistics objects fetched so far."""
-        return list(self._stats)
+    def support(self) -> list[str]:
+        """The statistics, then the skeletons, that the chunks fetched so far name (each once)."""
+        named = self.read.values()
+        return [*dict.fromkeys(stats for _, stats, _ in named), *sorted({skeleton for *_, skeleton in named})]
 
     def verified(self, key: str, object_id: str, what: str, data: bytes) -> bytes:
         """`data`, read from `key`: a content-addressed object whose sha256 must be its id; one
@@ -763,7 +762,6 @@ class _ChunkReader:
                 raise
             except CorruptDataError as exc:
                 raise self.discard_damaged(exc, _chunk_key(self.keys[i], level), chunk)  # noqa: B904
-            self.skeleton_ids.add(meta.skeleton_id)
             if meta.stats_id not in self._stats:
                 stats_key = _stats_key(meta.stats_id)
                 try:
